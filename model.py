@@ -1,0 +1,298 @@
+"""
+GPT-2 style language model in one file.
+
+Parameter names match OpenAI's GPT-2 (transformer.wte, transformer.h.0.attn.c_attn, ...) so
+its weights map one to one (GPT-2's Conv1D weights are the transpose of our nn.Linear ones).
+Attention goes through F.scaled_dot_product_attention; generation uses a key/value cache.
+"""
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50257
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+
+
+class KVCache:
+    """Keys and values of one attention layer, preallocated for block_size positions.
+
+    The buffers are allocated on first use, with the dtype and device of the first keys,
+    so the cache follows autocast and .double() without being told.
+    """
+
+    def __init__(self, max_len):
+        self.max_len = max_len
+        self.k = self.v = None
+
+    def update(self, k, v, pos):
+        """Store k, v (B, nh, T, hs) at positions pos..pos+T-1; return keys and values 0..pos+T-1."""
+        B, nh, T, hs = k.shape
+        assert pos + T <= self.max_len, f"cache overflow: {pos} + {T} > {self.max_len}"
+        if self.k is None:
+            self.k = k.new_empty(B, nh, self.max_len, hs)
+            self.v = v.new_empty(B, nh, self.max_len, hs)
+        self.k[:, :, pos:pos + T] = k
+        self.v[:, :, pos:pos + T] = v
+        return self.k[:, :, :pos + T], self.v[:, :, :pos + T]
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must be divisible by n_head"
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v together
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+
+    def forward(self, x, cache=None, pos=0):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if cache is not None:
+            # Generation feeds either a whole prompt at pos 0 or one new token after the cache.
+            assert pos == 0 or T == 1, "cached attention takes a prefill at 0 or one token at a time"
+            k, v = cache.update(k, v, pos)  # (B, nh, pos+T, hs)
+        # Training and prefill: queries and keys line up, so the causal mask applies. A single
+        # query after the cache is the last position and may see every cached key: no mask.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=pos == 0,
+                                           dropout_p=self.dropout if self.training else 0.0)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate='tanh')  # GPT-2 was trained with the tanh approximation
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C)
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cache=None, pos=0):
+        x = x + self.attn(self.ln_1(x), cache, pos)  # pre-LayerNorm residual blocks
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.vocab_size is not None and config.block_size is not None
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying: the output projection is the token embedding (one tensor, counted once).
+        self.transformer.wte.weight = self.lm_head.weight
+
+        self.apply(self._init_weights)
+        # Each block adds two projections to the residual stream; scale them down so its
+        # variance does not grow with depth (GPT-2 paper).
+        for name, p in self.named_parameters():
+            if name.endswith('c_proj.weight'):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def get_num_params(self, non_embedding=True):
+        """Number of parameters, the tied embedding counted once.
+
+        With non_embedding, position embeddings are left out; token embeddings stay in because
+        they are also the weights of the final layer.
+        """
+        n_params = sum(p.numel() for p in self.parameters())  # parameters() yields a tied tensor once
+        if non_embedding:
+            n_params -= self.transformer.wpe.weight.numel()
+        return n_params
+
+    def forward(self, idx, targets=None):
+        B, T = idx.size()
+        assert T <= self.config.block_size, \
+            f"Cannot forward a sequence of length {T}: block_size is only {self.config.block_size}"
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)  # (B, T, C)
+
+        if targets is not None:
+            logits = self.lm_head(x)  # (B, T, V)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        else:
+            # Inference needs only the next token: skip the output layer for the other positions.
+            logits = self.lm_head(x[:, [-1], :])  # (B, 1, V)
+            loss = None
+        return logits, loss
+
+    def _forward_cached(self, idx, caches, pos):
+        """Logits (B, 1, V) after idx (B, T), whose tokens sit at positions pos..pos+T-1."""
+        T = idx.size(1)
+        positions = torch.arange(pos, pos + T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))  # (B, T, C)
+        for block, cache in zip(self.transformer.h, caches):
+            x = block(x, cache, pos)
+        x = self.transformer.ln_f(x[:, [-1], :])  # (B, 1, C)
+        return self.lm_head(x)  # (B, 1, V)
+
+    def crop_block_size(self, block_size):
+        """Shrink the context length, e.g. to fine-tune GPT-2 weights with a smaller block."""
+        assert block_size <= self.config.block_size, \
+            f"can only shrink block_size: {block_size} > {self.config.block_size}"
+        self.config.block_size = block_size
+        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW with weight decay on matrices and embeddings only, not on biases or LayerNorms."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay_params = [p for p in params if p.dim() >= 2]
+        no_decay_params = [p for p in params if p.dim() < 2]
+        optim_groups = [
+            {'params': decay_params, 'weight_decay': weight_decay},
+            {'params': no_decay_params, 'weight_decay': 0.0},
+        ]
+        # The fused kernel does the whole update in one launch (on CPU too, about 5x faster here).
+        fused_available = 'fused' in inspect.signature(torch.optim.AdamW).parameters
+        use_fused = fused_available and device_type in ('cuda', 'cpu', 'mps')
+        return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas,
+                                 fused=True if use_fused else None)
+
+    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=None):
+        """Model FLOPs utilisation: achieved FLOP/s over the device's peak.
+
+        fwdbwd_per_iter is the number of block_size-long sequences one iteration processes
+        (forward and backward), dt its duration in seconds. peak_flops=None looks up the current
+        CUDA device in PEAK_FLOPS; the result is None when the peak is unknown (e.g. on CPU).
+        """
+        if peak_flops is None:
+            if not torch.cuda.is_available():
+                return None
+            peak_flops = peak_flops_for(torch.cuda.get_device_name())
+            if peak_flops is None:
+                return None
+        # PaLM appendix B: 6 flops per parameter per token (2 forward, 4 backward) for the matmuls,
+        # plus 12*L*H*Q*T for attention scores and their weighted sums over T positions.
+        N = self.get_num_params()
+        cfg = self.config
+        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
+        flops_per_token = 6 * N + 12 * L * H * Q * T
+        flops_per_iter = flops_per_token * T * fwdbwd_per_iter
+        return flops_per_iter / dt / peak_flops
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Extend idx (B, T) by max_new_tokens sampled tokens; returns (B, T + max_new_tokens).
+
+        Call model.eval() first (dropout). temperature 0 is greedy; top_k keeps the k most likely
+        tokens; generator (a torch.Generator on idx's device) makes sampling reproducible.
+
+        The prompt is run once (prefill, cropped to its last block_size tokens) and each new
+        token then costs one position of work against per-layer key/value caches. Positions
+        are absolute and learned, so a full cache cannot slide by one: when the context
+        reaches block_size, the cache is rebuilt by a prefill of the last block_size // 2
+        tokens and generation continues from there. Every token therefore sees at least
+        block_size // 2 tokens of context (all of them, if fewer exist), and the rebuilds add
+        at most one more position of work per token on average: block_size // 2 positions once
+        every block_size // 2 tokens.
+        """
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        assert idx.size(1) >= 1, "generate needs a prompt of at least one token"
+        block_size = self.config.block_size
+        caches = [KVCache(block_size) for _ in self.transformer.h]
+
+        context = idx[:, -block_size:]
+        logits = self._forward_cached(context, caches, 0)  # (B, 1, V)
+        pos = context.size(1)  # positions filled in the caches
+        for step in range(max_new_tokens):
+            idx_next = _sample(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
+            idx = torch.cat((idx, idx_next), dim=1)
+            if step == max_new_tokens - 1:
+                break  # no need to run the last token
+            if pos < block_size:
+                logits = self._forward_cached(idx_next, caches, pos)
+                pos += 1
+            else:  # cache full: restart it from the most recent half block (see docstring)
+                context = idx[:, -max(1, block_size // 2):]
+                logits = self._forward_cached(context, caches, 0)
+                pos = context.size(1)
+        return idx
+
+
+def _sample(logits, temperature, top_k, generator):
+    """Next token (B, 1) from last-position logits (B, V)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))  # (B, k), sorted
+        logits[logits < v[:, [-1]]] = -float('inf')
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+# Dense (no sparsity) bf16 tensor-core peak FLOP/s. First matching substring of the device name
+# wins, so specific variants come before the generic name.
+PEAK_FLOPS = [
+    ('H100 PCIe', 756e12),  # the PCIe card runs at lower clocks and power than SXM
+    ('H100 NVL', 835e12),
+    ('H100', 989e12),  # SXM
+    ('H200', 989e12),
+    ('A100', 312e12),
+]
+
+
+def peak_flops_for(device_name):
+    """Peak bf16 FLOP/s for a device name such as 'NVIDIA H100 80GB HBM3', or None if unknown."""
+    for substring, flops in PEAK_FLOPS:
+        if substring.lower() in device_name.lower():
+            return flops
+    return None

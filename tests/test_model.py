@@ -1,0 +1,244 @@
+import math
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, peak_flops_for
+
+
+def small_model(seed=0, dtype=torch.float32, **overrides):
+    """A tiny GPT in eval mode. Greedy comparisons run in float64 so that the cached and the
+    recomputed paths cannot disagree on a near-tie of two logits."""
+    torch.manual_seed(seed)
+    args = dict(block_size=32, vocab_size=97, n_layer=2, n_head=4, n_embd=32, dropout=0.0, bias=True)
+    args.update(overrides)
+    return GPT(GPTConfig(**args)).to(dtype).eval()
+
+
+def reference_greedy(model, idx, max_new_tokens):
+    """Greedy decoding without a cache: each step recomputes its whole context with forward().
+
+    The context rule is the one generate() documents: it grows by one token per step and, once
+    it would exceed block_size, restarts from the last block_size // 2 tokens.
+    """
+    block_size = model.config.block_size
+    n_context = min(idx.size(1), block_size)
+    for _ in range(max_new_tokens):
+        logits, _ = model(idx[:, -n_context:])
+        idx = torch.cat((idx, logits[:, -1, :].argmax(dim=-1, keepdim=True)), dim=1)
+        n_context += 1
+        if n_context > block_size:
+            n_context = max(1, block_size // 2)
+    return idx
+
+
+def random_tokens(batch, length, vocab_size, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, length), generator=g)
+
+
+def test_gpt2_small_has_124m_parameters():
+    # On the meta device nothing is allocated or initialised: only the shapes exist.
+    with torch.device('meta'):
+        model = GPT(GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768, bias=True))
+    unique = {id(p): p for p in model.parameters()}.values()
+    assert sum(p.numel() for p in unique) == 124_439_808
+    assert model.get_num_params(non_embedding=False) == 124_439_808
+    assert model.get_num_params() == 124_439_808 - 1024 * 768  # without the position embeddings
+
+
+def test_initial_loss_is_close_to_log_vocab_size():
+    # With weights ~ N(0, 0.02) the logits start near zero, so the predicted distribution is
+    # close to uniform and the cross-entropy of any target is close to -ln(1/V) = ln(V).
+    model = small_model(vocab_size=1000, n_layer=4, n_embd=64, block_size=64)
+    idx = random_tokens(8, 64, 1000, seed=2)
+    targets = random_tokens(8, 64, 1000, seed=3)
+    _, loss = model(idx, targets)
+    assert abs(loss.item() - math.log(1000)) < 0.2
+
+
+def test_forward_without_targets_returns_last_position_logits():
+    model = small_model()
+    idx = random_tokens(2, 10, 97)
+    full_logits, loss = model(idx, torch.zeros_like(idx))
+    last_logits, no_loss = model(idx)
+    assert full_logits.shape == (2, 10, 97) and loss is not None
+    assert last_logits.shape == (2, 1, 97) and no_loss is None
+    torch.testing.assert_close(last_logits, full_logits[:, [-1], :])
+
+
+def test_loss_ignores_targets_of_minus_one():
+    model = small_model()
+    idx = random_tokens(2, 10, 97)
+    targets = random_tokens(2, 10, 97, seed=4)
+    masked = targets.clone()
+    masked[:, 5:] = -1
+    _, loss_masked = model(idx, masked)
+    logits, _ = model(idx, targets)
+    expected = torch.nn.functional.cross_entropy(logits[:, :5].reshape(-1, 97), targets[:, :5].reshape(-1))
+    torch.testing.assert_close(loss_masked, expected)
+
+
+def test_forward_rejects_sequence_longer_than_block_size():
+    model = small_model(block_size=8)
+    with pytest.raises(AssertionError, match="block_size is only 8"):
+        model(random_tokens(1, 9, 97))
+
+
+@pytest.mark.parametrize("prompt_len", [1, 7, 32])
+def test_cached_greedy_generation_matches_full_recompute(prompt_len):
+    model = small_model(dtype=torch.float64)
+    idx = random_tokens(3, prompt_len, 97, seed=prompt_len)
+    max_new_tokens = max(1, 32 - prompt_len)  # up to a full block (the 32-token prompt adds one)
+    out = model.generate(idx, max_new_tokens, temperature=0)
+    assert out.shape == (3, prompt_len + max_new_tokens)
+    assert torch.equal(out[:, :prompt_len], idx)
+    assert torch.equal(out, reference_greedy(model, idx, max_new_tokens))
+
+
+@pytest.mark.parametrize("block_size", [16, 15])
+def test_generation_past_block_size_rebuilds_cache_and_matches_reference(block_size):
+    model = small_model(dtype=torch.float64, block_size=block_size)
+    idx = random_tokens(2, 5, 97)
+    out = model.generate(idx, 60, temperature=0)  # several rebuilds
+    assert out.shape == (2, 65)
+    assert torch.equal(out, reference_greedy(model, idx, 60))
+
+
+def test_generation_crops_a_prompt_longer_than_block_size():
+    model = small_model(dtype=torch.float64, block_size=16)
+    idx = random_tokens(2, 40, 97)
+    out = model.generate(idx, 20, temperature=0)
+    assert out.shape == (2, 60) and torch.equal(out[:, :40], idx)
+    assert torch.equal(out, reference_greedy(model, idx, 20))
+
+
+def test_embeddings_are_tied_and_stay_tied_after_load_state_dict():
+    model = small_model(seed=0)
+    assert model.transformer.wte.weight is model.lm_head.weight
+    other = small_model(seed=1)
+    model.load_state_dict(other.state_dict())
+    assert model.transformer.wte.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    torch.testing.assert_close(model.lm_head.weight, other.transformer.wte.weight)
+    with torch.no_grad():
+        model.transformer.wte.weight[0, 0] = 123.0
+    assert model.lm_head.weight[0, 0].item() == 123.0
+
+
+def test_state_dict_keys_use_gpt2_names():
+    keys = set(small_model(n_layer=1).state_dict())
+    assert keys == {
+        'transformer.wte.weight', 'transformer.wpe.weight',
+        'transformer.h.0.ln_1.weight', 'transformer.h.0.ln_1.bias',
+        'transformer.h.0.attn.c_attn.weight', 'transformer.h.0.attn.c_attn.bias',
+        'transformer.h.0.attn.c_proj.weight', 'transformer.h.0.attn.c_proj.bias',
+        'transformer.h.0.ln_2.weight', 'transformer.h.0.ln_2.bias',
+        'transformer.h.0.mlp.c_fc.weight', 'transformer.h.0.mlp.c_fc.bias',
+        'transformer.h.0.mlp.c_proj.weight', 'transformer.h.0.mlp.c_proj.bias',
+        'transformer.ln_f.weight', 'transformer.ln_f.bias',
+        'lm_head.weight',
+    }
+
+
+def test_without_bias_there_are_no_bias_parameters():
+    keys = small_model(bias=False).state_dict()
+    assert not any(k.endswith('.bias') for k in keys)
+
+
+def test_init_scales_residual_projections_by_depth():
+    model = small_model(n_layer=8, n_embd=256, n_head=4)
+    expected = 0.02 / math.sqrt(2 * 8)
+    for name, p in model.named_parameters():
+        if name.endswith('c_proj.weight'):
+            assert abs(p.std().item() - expected) < 0.15 * expected, name
+        elif name.endswith('c_fc.weight'):
+            assert abs(p.std().item() - 0.02) < 0.003, name
+        elif name.endswith('.bias'):
+            assert torch.all(p == 0), name
+
+
+def test_optimizer_puts_every_parameter_in_one_group_and_decays_only_matrices():
+    model = small_model()
+    optimizer = model.configure_optimizers(weight_decay=0.1, learning_rate=1e-3, betas=(0.9, 0.95),
+                                           device_type='cpu')
+    grouped = [id(p) for group in optimizer.param_groups for p in group['params']]
+    assert sorted(grouped) == sorted(id(p) for p in model.parameters())  # each exactly once
+    for group in optimizer.param_groups:
+        for p in group['params']:
+            assert group['weight_decay'] == (0.1 if p.dim() >= 2 else 0.0)
+    assert optimizer.defaults['fused'] is True
+    # and a fused step on CPU runs and moves the weights
+    idx = random_tokens(2, 16, 97)
+    before = model.lm_head.weight.detach().clone()
+    _, loss = model(idx, idx)
+    loss.backward()
+    optimizer.step()
+    assert not torch.equal(before, model.lm_head.weight)
+
+
+def test_sampling_is_reproducible_with_a_seeded_generator():
+    model = small_model()
+    idx = random_tokens(2, 4, 97)
+    a = model.generate(idx, 40, temperature=1.0, generator=torch.Generator().manual_seed(7))
+    b = model.generate(idx, 40, temperature=1.0, generator=torch.Generator().manual_seed(7))
+    c = model.generate(idx, 40, temperature=1.0, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_temperature_zero_and_top_k_one_are_greedy():
+    model = small_model(dtype=torch.float64)
+    idx = random_tokens(2, 4, 97)
+    greedy = reference_greedy(model, idx, 20)
+    assert torch.equal(model.generate(idx, 20, temperature=0), greedy)
+    top1 = model.generate(idx, 20, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(top1, greedy)
+
+
+def test_top_k_larger_than_vocab_is_clamped():
+    model = small_model()
+    out = model.generate(random_tokens(2, 4, 97), 10, top_k=10_000, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 14) and out.min() >= 0 and out.max() < 97
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_new_tokens=0), dict(max_new_tokens=-1),
+                                    dict(max_new_tokens=5, temperature=-0.5),
+                                    dict(max_new_tokens=5, top_k=0)])
+def test_generate_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        small_model().generate(random_tokens(1, 3, 97), **kwargs)
+
+
+def test_estimate_mfu_is_none_without_a_known_peak(monkeypatch):
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    assert small_model().estimate_mfu(fwdbwd_per_iter=8, dt=0.1) is None
+
+
+def test_estimate_mfu_with_an_explicit_peak():
+    model = small_model()  # L=2, H=4, Q=8, T=32
+    N = model.get_num_params()
+    flops_per_token = 6 * N + 12 * 2 * 4 * 8 * 32
+    expected = flops_per_token * 32 * 8 / 0.5 / 1e12
+    assert model.estimate_mfu(fwdbwd_per_iter=8, dt=0.5, peak_flops=1e12) == pytest.approx(expected)
+    assert 0 < expected < 1
+
+
+def test_peak_flops_table():
+    assert peak_flops_for('NVIDIA A100-SXM4-80GB') == 312e12
+    assert peak_flops_for('NVIDIA H100 80GB HBM3') == 989e12
+    assert peak_flops_for('NVIDIA H100 PCIe') < 989e12
+    assert peak_flops_for('NVIDIA H200') == 989e12
+    assert peak_flops_for('cpu') is None
+
+
+def test_crop_block_size():
+    model = small_model(block_size=32)
+    model.crop_block_size(8)
+    assert model.config.block_size == 8
+    assert model.transformer.wpe.weight.shape == (8, 32)
+    idx = random_tokens(2, 8, 97)
+    logits, loss = model(idx, idx)
+    assert logits.shape == (2, 8, 97) and torch.isfinite(loss)
+    with pytest.raises(AssertionError):
+        model(random_tokens(2, 9, 97))
+    assert model.generate(idx, 12, temperature=0).shape == (2, 20)
