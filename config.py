@@ -1,0 +1,205 @@
+"""Training configuration: defaults in one place, config files, --name=value overrides.
+
+A config file is plain Python made of `name = value` assignments:
+
+    n_layer = 6
+    learning_rate = 1e-3
+
+It runs in a namespace of its own (never in our globals); every public name it
+defines must be a field of `Config`, or loading fails and suggests the nearest
+known name. Overrides on the command line come after the file and win:
+
+    python train.py configs/shakespeare_char.py --batch_size=32 --compile=false
+
+Values are parsed as Python literals and checked against the field's type; a
+string field takes the raw text (`--out_dir=out-run1` needs no quotes).
+"""
+
+import ast
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A config problem the user can fix: the message says what and how."""
+
+
+@dataclass
+class Config:
+    # I/O
+    out_dir: str = "out"                    # checkpoints, config.json, metrics.jsonl
+    dataset: str = "shakespeare_char"       # a folder under data/ with a prepare.py
+    data_dir: str = ""                      # where train.bin/val.bin/meta.json live; "" = data/<dataset>
+    init_from: str = "scratch"              # "scratch", or "resume" (a checkpoint must exist)
+    resume: str = "auto"                    # "auto" (out_dir/last.pt if present), "never", or a checkpoint path
+    eval_interval: int = 250                # optimizer steps between evals (and checkpoints)
+    eval_iters: int = 20                    # batches of batch_size windows per split per eval, over all ranks
+    log_interval: int = 10                  # optimizer steps between train-loss logs
+    always_save_checkpoint: bool = True     # write last.pt at every eval, not only when val improves
+    seed: int = 1337                        # one seed; data order, init and each rank's dropout derive from it
+    # model (vocab_size comes from the dataset's meta.json)
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    dropout: float = 0.0
+    bias: bool = True
+    # batch: batch_size is one process's micro-batch; global_batch_size is the
+    # number of sequences in one optimizer step over all processes
+    batch_size: int = 16
+    global_batch_size: int = 32
+    # optimizer and schedule
+    learning_rate: float = 1e-3
+    max_iters: int = 1500                   # optimizer steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0                  # max global grad norm; 0 turns clipping off
+    decay_lr: bool = True                   # linear warmup then cosine decay to min_lr
+    warmup_iters: int = 100
+    lr_decay_iters: Optional[int] = None    # None = max_iters
+    min_lr: Optional[float] = None          # None = learning_rate / 10
+    # system
+    device: str = "auto"                    # "auto", "cpu", "cuda", "cuda:N", "mps"
+    backend: str = "auto"                   # "auto" (nccl on CUDA, else gloo), "gloo", "nccl"
+    dtype: str = "auto"                     # "auto", "float32", "bfloat16", "float16"
+    compile: bool = False                   # torch.compile the model
+    dist_timeout: float = 600.0             # seconds a collective may wait for a peer
+    peak_flops: float = 0.0                 # device peak FLOP/s for MFU; 0 = model.py's table
+    # logging
+    wandb_log: bool = False
+    wandb_project: str = "gpt-train"
+    wandb_run_name: str = ""                # "" = derived from out_dir
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+FIELD_TYPES = typing.get_type_hints(Config)
+CHOICES = {
+    "init_from": ("scratch", "resume"),
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "backend": ("auto", "gloo", "nccl", "mpi"),
+}
+
+
+def _type_name(typ) -> str:
+    args = typing.get_args(typ)
+    if args:
+        return " or ".join("None" if a is type(None) else a.__name__ for a in args)
+    return typ.__name__
+
+
+def _unknown_name(name: str) -> ConfigError:
+    close = difflib.get_close_matches(name, list(FIELD_TYPES), n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'?" if close else "see the table in README.md"
+    return ConfigError(f"unknown config name '{name}': {hint}")
+
+
+def check_type(name: str, value):
+    """Return `value` as the type of field `name`, or raise ConfigError."""
+    if name not in FIELD_TYPES:
+        raise _unknown_name(name)
+    typ = FIELD_TYPES[name]
+    for allowed in typing.get_args(typ) or (typ,):
+        if allowed is type(None) and value is None:
+            return None
+        if isinstance(value, bool):  # bool is an int subclass: accept it only for bool fields
+            if allowed is bool:
+                return value
+            continue
+        if allowed is float and isinstance(value, (int, float)):
+            return float(value)
+        if allowed in (int, str) and isinstance(value, allowed):
+            return value
+    raise ConfigError(f"config '{name}' must be {_type_name(typ)}, got {value!r} "
+                      f"({type(value).__name__})")
+
+
+def parse_value(name: str, text: str):
+    """Turn the text of a --name=value override into a typed value."""
+    if name not in FIELD_TYPES:
+        raise _unknown_name(name)
+    allowed = typing.get_args(FIELD_TYPES[name]) or (FIELD_TYPES[name],)
+    if bool in allowed and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        value = text  # bare words are strings: --dataset=shakespeare_char
+    if str in allowed and not isinstance(value, str) and not (value is None and type(None) in allowed):
+        value = text  # a string field takes the raw text: --out_dir=2024
+    return check_type(name, value)
+
+
+def load_file(path: str) -> dict:
+    """Run a config file in a private namespace and return its public names."""
+    try:
+        source = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    namespace: dict = {}
+    try:
+        exec(compile(source, path, "exec"), namespace)
+    except SyntaxError as e:
+        raise ConfigError(f"{path}, line {e.lineno}: syntax error: {e.msg}") from None
+    except Exception as e:
+        raise ConfigError(f"{path}: {type(e).__name__}: {e}") from None
+    skip = (types.ModuleType, types.FunctionType, type)
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, skip)}
+
+
+def validate(cfg: Config) -> Config:
+    """Range checks that do not depend on the world size or the device."""
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ConfigError(msg)
+
+    for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "global_batch_size",
+                 "eval_interval", "eval_iters", "log_interval"):
+        need(getattr(cfg, name) > 0, f"{name} must be positive, got {getattr(cfg, name)}")
+    for name in ("max_iters", "warmup_iters", "weight_decay", "grad_clip"):
+        need(getattr(cfg, name) >= 0, f"{name} must be >= 0, got {getattr(cfg, name)}")
+    need(cfg.n_embd % cfg.n_head == 0,
+         f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
+    need(0 <= cfg.dropout < 1, f"dropout must be in [0, 1), got {cfg.dropout}")
+    need(cfg.learning_rate > 0 and math.isfinite(cfg.learning_rate),
+         f"learning_rate must be a positive number, got {cfg.learning_rate}")
+    need(cfg.min_lr is None or 0 <= cfg.min_lr <= cfg.learning_rate,
+         f"min_lr must be in [0, learning_rate={cfg.learning_rate}], got {cfg.min_lr}")
+    need(cfg.lr_decay_iters is None or cfg.lr_decay_iters > 0,
+         f"lr_decay_iters must be positive or None, got {cfg.lr_decay_iters}")
+    need(0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1, f"beta1/beta2 must be in [0, 1)")
+    need(cfg.dist_timeout > 0, f"dist_timeout must be positive seconds, got {cfg.dist_timeout}")
+    need(cfg.global_batch_size % cfg.batch_size == 0,
+         f"global_batch_size ({cfg.global_batch_size}) must be a multiple of batch_size "
+         f"({cfg.batch_size}), e.g. {cfg.batch_size * max(1, round(cfg.global_batch_size / cfg.batch_size))}")
+    for name, choices in CHOICES.items():
+        need(getattr(cfg, name) in choices, f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
+    need(cfg.resume in ("auto", "never") or Path(cfg.resume).suffix == ".pt",
+         f"resume must be 'auto', 'never' or a path to a .pt checkpoint, got {cfg.resume!r}")
+    need(bool(cfg.out_dir), "out_dir must not be empty")
+    return cfg
+
+
+def resolve(args: list[str]) -> Config:
+    """Apply config files and --name=value overrides, in the order given, to the defaults."""
+    values: dict = {}
+    for arg in args:
+        if arg.startswith("--"):
+            name, eq, text = arg[2:].partition("=")
+            if not eq:
+                raise ConfigError(f"'{arg}': write overrides as --{name}=VALUE")
+            values[name] = parse_value(name, text)
+        elif arg.endswith(".py"):
+            for name, value in load_file(arg).items():
+                values[name] = check_type(name, value)
+        else:
+            raise ConfigError(f"'{arg}' is neither a config file (.py) nor a --name=value override")
+    return validate(Config(**values))

@@ -1,0 +1,86 @@
+import pytest
+
+from config import Config, ConfigError, parse_value, resolve
+
+
+def test_file_then_overrides_resolve_in_order(tmp_path):
+    cfg_file = tmp_path / "exp.py"
+    cfg_file.write_text("import math\n# a comment\nn_layer = 6\nlearning_rate = 1e-3\n"
+                        "max_iters = 200\nlr_decay_iters = max_iters * 2\ndataset = 'shakespeare'\n")
+    cfg = resolve([str(cfg_file), "--n_layer=3", "--learning_rate=2", "--compile=true",
+                   "--out_dir=out-7", "--min_lr=None"])
+    assert cfg.n_layer == 3                        # the override wins over the file
+    assert cfg.learning_rate == 2.0 and isinstance(cfg.learning_rate, float)  # int stands for float
+    assert cfg.lr_decay_iters == 400               # the file is real Python
+    assert cfg.dataset == "shakespeare"            # from the file
+    assert cfg.compile is True and cfg.out_dir == "out-7" and cfg.min_lr is None
+    assert cfg.n_head == Config().n_head           # untouched names keep their defaults
+
+
+def test_unknown_name_suggests_the_closest_valid_name(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config name 'n_layers'.*'n_layer'"):
+        resolve(["--n_layers=4"])
+    cfg_file = tmp_path / "typo.py"
+    cfg_file.write_text("learnig_rate = 0.1\n")
+    with pytest.raises(ConfigError, match="'learnig_rate'.*'learning_rate'"):
+        resolve([str(cfg_file)])
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("--n_layer=4.5", "'n_layer' must be int"),
+    ("--n_layer=true", "'n_layer' must be int"),
+    ("--compile=2", "'compile' must be bool"),
+    ("--learning_rate=fast", "'learning_rate' must be float"),
+    ("--lr_decay_iters=1.5", "'lr_decay_iters' must be int or None"),
+])
+def test_wrong_type_names_the_key_and_expected_type(arg, expected):
+    with pytest.raises(ConfigError, match=expected):
+        resolve([arg])
+
+
+def test_wrong_type_in_a_file_names_the_key(tmp_path):
+    cfg_file = tmp_path / "bad.py"
+    cfg_file.write_text("batch_size = '12'\n")
+    with pytest.raises(ConfigError, match="'batch_size' must be int"):
+        resolve([str(cfg_file)])
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("--n_embd=130", "divisible by n_head"),
+    ("--dropout=1.0", "dropout must be in"),
+    ("--block_size=0", "block_size must be positive"),
+    ("--dtype=float8", "dtype must be one of"),
+    ("--global_batch_size=30", "multiple of batch_size"),
+])
+def test_values_are_range_checked(arg, expected):
+    with pytest.raises(ConfigError, match=expected):
+        resolve([arg])
+
+
+def test_override_syntax_errors_are_clear():
+    with pytest.raises(ConfigError, match="--n_layer=VALUE"):
+        resolve(["--n_layer", "4"])
+    with pytest.raises(ConfigError, match="neither a config file"):
+        resolve(["n_layer=4"])
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        resolve(["missing.py"])
+
+
+def test_string_fields_take_the_raw_text():
+    assert parse_value("out_dir", "2024") == "2024"
+    assert parse_value("wandb_run_name", "None") == "None"
+    assert parse_value("bias", "False") is False
+
+
+def test_shipped_configs_resolve():
+    from conftest import REPO
+    for path in sorted((REPO / "configs").glob("*.py")):
+        resolve([str(path)])
+        assert path.read_text().startswith("# "), f"{path.name} needs its one-line command comment"
+
+
+def test_every_config_name_is_documented_in_the_readme():
+    from conftest import REPO
+    readme = (REPO / "README.md").read_text()
+    missing = [name for name in Config.__dataclass_fields__ if f"`{name}`" not in readme]
+    assert not missing, f"README.md's config table lacks {missing}"
