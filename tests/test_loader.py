@@ -1,0 +1,115 @@
+import numpy as np
+import pytest
+import torch
+
+from loader import ShardedTokenLoader, eval_starts
+
+BLOCK = 8
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "train.bin"
+    np.arange(4000, dtype=np.uint16).tofile(path)  # token value = its position: windows are readable
+    return path
+
+
+def make(path, rank=0, world=1, batch=4, global_batch=16, seed=3):
+    loader = ShardedTokenLoader(path, "uint16", BLOCK, batch, global_batch, rank, world, seed)
+    loader.set_epoch(0)
+    return loader
+
+
+def starts_of(x):
+    return [int(row[0]) for row in x]
+
+
+def epoch_windows(path, rank, world, batch=2, global_batch=12, epoch=0):
+    loader = make(path, rank, world, batch, global_batch)
+    loader.set_epoch(epoch)
+    seen = []
+    while not loader.epoch_done:
+        x, y = loader.next_batch()
+        assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one token
+        seen += starts_of(x)
+    return seen, loader
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ranks_are_disjoint_and_cover_the_epoch(token_file, world):
+    per_rank = [epoch_windows(token_file, r, world)[0] for r in range(world)]
+    union = [s for seen in per_rank for s in seen]
+    assert len(union) == len(set(union))  # disjoint, and no window twice
+    loader = epoch_windows(token_file, 0, world)[1]
+    assert sorted(union) == sorted(loader.starts.tolist())  # the whole epoch
+    assert len(union) == loader.windows_per_epoch == loader.steps_per_epoch * 12
+    offset = min(union) % BLOCK
+    assert all(s % BLOCK == offset for s in union)  # one stride-block_size grid per epoch
+
+
+def test_set_epoch_changes_the_order_deterministically(token_file):
+    a = make(token_file)
+    first = a.starts.copy()
+    a.set_epoch(1)
+    second = a.starts.copy()
+    b = make(token_file)
+    b.set_epoch(1)
+    assert not np.array_equal(first, second)
+    assert np.array_equal(second, b.starts)  # same (seed, epoch), same order
+    assert not np.array_equal(make(token_file, seed=4).starts, first)
+
+
+def test_next_batch_refuses_to_run_past_the_epoch(token_file):
+    loader = make(token_file)
+    while not loader.epoch_done:
+        loader.next_batch()
+    with pytest.raises(RuntimeError, match="set_epoch"):
+        loader.next_batch()
+
+
+@pytest.mark.parametrize("steps", [3])
+def test_optimizer_step_sees_the_same_windows_for_any_world_size(token_file, steps):
+    def step_sets(world, accum, batch):
+        loaders = [make(token_file, r, world, batch, global_batch=16) for r in range(world)]
+        sets = []
+        for _ in range(steps):
+            seen = []
+            for _ in range(accum):
+                for loader in loaders:
+                    seen += starts_of(loader.next_batch()[0])
+            sets.append(sorted(seen))
+        return sets
+
+    reference = step_sets(world=1, accum=4, batch=4)
+    assert step_sets(world=2, accum=2, batch=4) == reference
+    assert step_sets(world=4, accum=1, batch=4) == reference
+    assert len(set(map(tuple, reference))) == steps  # the steps differ from each other
+
+
+def test_load_state_dict_continues_with_the_next_batch(token_file):
+    straight = make(token_file, rank=1, world=2, batch=2, global_batch=8)
+    for _ in range(5):
+        straight.next_batch()
+    state = straight.state_dict()
+    expected = [straight.next_batch()[0] for _ in range(3)]
+
+    resumed = ShardedTokenLoader(token_file, "uint16", BLOCK, 2, 8, 1, 2, seed=3)
+    resumed.load_state_dict(state)
+    assert [torch.equal(resumed.next_batch()[0], e) for e in expected] == [True] * 3
+
+
+def test_dataset_smaller_than_a_step_uses_several_passes(tmp_path):
+    path = tmp_path / "tiny.bin"
+    np.arange(100, dtype=np.uint16).tofile(path)  # 11 windows of 8 tokens at any offset
+    loader = ShardedTokenLoader(path, "uint16", BLOCK, 4, 16, 0, 1, seed=0)
+    loader.set_epoch(0)
+    assert loader.passes == 2 and loader.steps_per_epoch == 1
+    x, _ = loader.next_batch()
+    assert x.shape == (4, BLOCK)
+
+
+def test_eval_windows_are_fixed_and_spread(tmp_path):
+    a = eval_starts(10_000, 16, 50)
+    assert np.array_equal(a, eval_starts(10_000, 16, 50))
+    assert len(a) == 50 and a[0] == 0 and a[-1] + 17 <= 10_000
+    assert len(eval_starts(100, 16, 50)) == 6  # clamped to the windows that exist
