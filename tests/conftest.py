@@ -1,0 +1,23 @@
+"""Shared fixtures: the repo on sys.path, one thread per process, a small char dataset."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long training or several processes (CI runs them)")
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def char_data(tmp_path_factory) -> Path:
+    """A small, learnable character corpus prepared by the real prepare script."""
+    from harness import make_char_dataset
+    return make_char_dataset(tmp_path_factory.mktemp("char_data"))

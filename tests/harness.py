@@ -1,0 +1,129 @@
+"""Helpers that launch training the ways users do and watch what each rank writes."""
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+AUDIT_HOOK = '''
+import os, sys
+_watch = os.environ.get("AUDIT_WATCH")
+_log = os.environ.get("AUDIT_LOG")
+_busy = False
+_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+def _hook(event, args):
+    global _busy
+    if _busy or not args:
+        return
+    if event == "open":
+        path, mode, flags = args
+        writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & _WRITE)
+        if not writes:
+            return
+    elif event not in ("os.rename", "os.link", "os.mkdir", "os.remove", "os.symlink"):
+        return
+    paths = [os.fsdecode(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]
+    if not any(os.path.abspath(p).startswith(_watch) for p in paths):
+        return
+    _busy = True
+    try:
+        with open(_log + "." + str(os.getpid()), "a") as f:
+            f.write(os.environ.get("RANK", "?") + "\\t" + event + "\\t" + paths[0] + "\\n")
+    finally:
+        _busy = False
+
+if _watch and _log:
+    sys.addaudithook(_hook)
+'''
+
+
+def make_char_dataset(folder: Path, n_chars: int = 60_000) -> Path:
+    """Write a learnable text (short sentences from a small grammar) and prepare it."""
+    from data.shakespeare_char.prepare import prepare
+    rng = random.Random(0)
+    who = ["the king", "a fool", "my lord", "the queen", "good sir"]
+    verbs = ["speaks", "laughs", "sleeps", "fights", "sings"]
+    how = ["softly", "at night", "in the hall", "for love", "again"]
+    lines = []
+    while sum(map(len, lines)) < n_chars:
+        lines.append(f"{rng.choice(who)} {rng.choice(verbs)} {rng.choice(how)}.\n")
+    text_file = folder / "input_text.txt"
+    text_file.write_text("".join(lines))
+    data_dir = folder / "data"
+    prepare(out_dir=str(data_dir), input_path=str(text_file))
+    return data_dir
+
+
+def tiny_args(data_dir: Path, out_dir: Path, **overrides) -> list[str]:
+    """Command-line overrides for a tiny float32 CPU run."""
+    cfg = dict(data_dir=str(data_dir), out_dir=str(out_dir), dataset="shakespeare_char",
+               n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.0, batch_size=4,
+               global_batch_size=8, max_iters=20, eval_interval=10, eval_iters=4, log_interval=1,
+               learning_rate=3e-3, warmup_iters=2, device="cpu", dtype="float32", resume="never")
+    cfg.update(overrides)
+    return [f"--{k}={v}" for k, v in cfg.items()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(audit_dir: Path = None, watch: Path = None, **extra) -> dict:
+    """Environment for a launched process: one thread, and optionally a write audit."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT") and not k.startswith("SLURM_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if audit_dir is not None:
+        (audit_dir / "sitecustomize.py").write_text(AUDIT_HOOK)
+        env.update(PYTHONPATH=f"{audit_dir}{os.pathsep}{REPO}", AUDIT_WATCH=str(Path(watch).resolve()),
+                   AUDIT_LOG=str(audit_dir / "writes"))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def audited_writes(audit_dir: Path) -> list[tuple[str, str, str]]:
+    """(rank, event, path) for every write-like call under the watched folder."""
+    rows = []
+    for log in sorted(audit_dir.glob("writes.*")):
+        rows += [tuple(line.split("\t")) for line in log.read_text().splitlines()]
+    return rows
+
+
+def run(cmd: list[str], env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def run_manual_ranks(args: list[str], world_size: int, env: dict, timeout: float = 300) -> list:
+    """Start world_size train.py processes with hand-set RANK/WORLD_SIZE/... like old tutorials."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**env, "RANK": str(r), "WORLD_SIZE": str(world_size),
+                                   "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)})
+             for r in range(world_size)]
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}\n{out}"
+    return outputs
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,82 @@
+"""Single-process training in this pytest process: learning, exact resume, AMP."""
+
+import shutil
+
+import pytest
+import torch
+
+import train
+from config import resolve
+from harness import metrics, tiny_args
+
+
+def run(data_dir, out_dir, **overrides):
+    return train.main(resolve(tiny_args(data_dir, out_dir, **overrides)))
+
+
+def test_single_process_run_lowers_val_loss(char_data, tmp_path):
+    run(char_data, tmp_path, max_iters=60, eval_interval=30, log_interval=10)
+    evals = [r for r in metrics(tmp_path) if "val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 30, 60]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "best.pt", "config.json", "last.pt", "meta.json", "metrics.jsonl"]
+    ckpt = torch.load(tmp_path / "last.pt", map_location="cpu", weights_only=True)
+    assert ckpt["step"] == 60 and ckpt["loader"]["position"] > 0
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])
+
+
+def test_resume_ends_bit_identical_to_an_uninterrupted_run(char_data, tmp_path):
+    # dropout on, so the saved RNG state matters too; lr_decay_iters pinned so the
+    # schedule of the short first leg is the schedule of the whole run
+    common = dict(max_iters=24, lr_decay_iters=24, eval_interval=8, dropout=0.1)
+    straight, legs = tmp_path / "straight", tmp_path / "legs"
+    run(char_data, straight, **common)
+    run(char_data, legs, **{**common, "max_iters": 8})
+    run(char_data, legs, **{**common, "resume": "auto"})
+
+    a = torch.load(straight / "last.pt", weights_only=True)
+    b = torch.load(legs / "last.pt", weights_only=True)
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    for pid, state in a["optimizer"]["state"].items():
+        for key in state:
+            assert torch.equal(state[key], b["optimizer"]["state"][pid][key]), (pid, key)
+    assert a["loader"] == b["loader"] and b["step"] == 24
+    losses = lambda d: [(r["step"], r["loss"]) for r in metrics(d) if "loss" in r]
+    assert losses(straight) == losses(legs)  # the resumed log continues, no replayed steps
+
+
+def test_resume_auto_with_nothing_to_resume_starts_fresh(char_data, tmp_path):
+    result = run(char_data, tmp_path, max_iters=2, resume="auto")
+    assert result["step"] == 2
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mixed_precision_runs_lower_the_loss(char_data, tmp_path, dtype):
+    run(char_data, tmp_path, dtype=dtype, max_iters=40, eval_interval=40, log_interval=5)
+    losses = [r["loss"] for r in metrics(tmp_path) if "loss" in r]
+    assert losses[-1] < losses[0] - 0.5
+    ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert ckpt["model"]["transformer.wte.weight"].dtype == torch.float32  # master weights stay fp32
+    assert bool(ckpt["scaler"]) == (dtype == "float16")  # the scaler is on only for float16
+
+
+def test_missing_dataset_is_prepared_by_local_rank_zero(char_data, tmp_path, monkeypatch):
+    calls = []
+
+    class FakePrepare:
+        @staticmethod
+        def prepare(out_dir):
+            calls.append(out_dir)
+            shutil.copytree(char_data, out_dir)
+
+    monkeypatch.setattr(train.importlib, "import_module", lambda name: FakePrepare)
+    data_dir = tmp_path / "fresh_data"
+    run(data_dir, tmp_path / "out", max_iters=1)
+    assert calls == [str(data_dir)]
+
+
+def test_uneven_global_batch_names_the_three_numbers(char_data, tmp_path):
+    with pytest.raises(train.ConfigError, match=r"global_batch_size \(12\).*batch_size \(8\)"):
+        run(char_data, tmp_path, batch_size=8, global_batch_size=12)

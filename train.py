@@ -1,0 +1,538 @@
+"""Train a GPT from scratch, the same way under every launcher.
+
+    python train.py                                   # CPU-sized default: char-level Shakespeare
+    python train.py configs/shakespeare_char.py       # the baby GPT, one GPU
+    torchrun --standalone --nproc_per_node=4 train.py configs/gpt_small.py
+    python train_spawn.py --nproc=2                   # torch.multiprocessing.spawn
+    RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python train.py &
+    RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python train.py
+    # two hosts: on each, with --node_rank=0 on the first and 1 on the second
+    torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=HOST_A --master_port=29500 train.py
+
+Arguments are config files (plain Python) and --name=value overrides; see
+config.py and the table in README.md. Ranks come from the launcher's
+environment (torchrun / manual RANK, WORLD_SIZE...), else SLURM's, else this
+is a single process. Only global rank 0 writes into out_dir.
+"""
+
+import importlib
+import json
+import math
+import os
+import socket
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from config import Config, ConfigError, resolve
+from loader import ShardedTokenLoader, eval_starts, open_tokens, windows_to_batch
+from model import GPT, GPTConfig
+
+REPO = Path(__file__).resolve().parent
+CHECKPOINT_FORMAT = 1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# -----------------------------------------------------------------------------
+# where this process stands in the world
+
+@dataclass
+class World:
+    rank: int = 0
+    local_rank: int = 0
+    size: int = 1
+    local_size: int = 1
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+
+def slurm_first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: 'gpu[03-05,07],cpu1' -> 'gpu03'."""
+    head = nodelist.split(",")[0]
+    if "[" in head:
+        prefix, rest = head.split("[", 1)
+        head = prefix + rest.split("-")[0].rstrip("]")
+    return head
+
+
+def find_world() -> World:
+    """Read ranks from torchrun or manual variables, else from SLURM, else one process."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        size = int(env["WORLD_SIZE"])
+        return World(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), size,
+                     int(env.get("LOCAL_WORLD_SIZE", size)))
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        env.setdefault("MASTER_ADDR", slurm_first_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")))
+        env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
+        local_size = int(env.get("SLURM_NTASKS_PER_NODE", env["SLURM_NTASKS"]).split("(")[0])
+        return World(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)),
+                     int(env["SLURM_NTASKS"]), local_size)
+    return World()
+
+
+def pick_device(cfg: Config, world: World) -> torch.device:
+    if cfg.device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", world.local_rank)
+        if world.size == 1 and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device=cuda but CUDA is not available here: use --device=cpu")
+        return torch.device("cuda", world.local_rank if device.index is None else device.index)
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device=mps but MPS is not available here: use --device=cpu")
+    return device
+
+
+def pick_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    dtype = DTYPES[cfg.dtype]
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("this GPU cannot run bfloat16: use --dtype=float16")
+    return dtype
+
+
+def pick_backend(cfg: Config, device: torch.device) -> str:
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if not dist.is_backend_available(backend):
+        raise ConfigError(f"backend '{backend}' is not available in this torch build: use gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("backend nccl needs CUDA devices: use --backend=gloo on CPU")
+    return backend
+
+
+def accumulation_steps(cfg: Config, world: World) -> int:
+    # Derive, then assert: one optimizer step sees global_batch_size sequences,
+    # split into micro-batches of batch_size on each of the world.size processes.
+    per_round = cfg.batch_size * world.size
+    if cfg.global_batch_size % per_round:
+        near = max(per_round, round(cfg.global_batch_size / per_round) * per_round)
+        raise ConfigError(
+            f"global_batch_size ({cfg.global_batch_size}) must be divisible by batch_size "
+            f"({cfg.batch_size}) x world size ({world.size}) = {per_round}: "
+            f"try --global_batch_size={near}")
+    return cfg.global_batch_size // per_round
+
+
+# -----------------------------------------------------------------------------
+# data
+
+def dataset_dir(cfg: Config) -> Path:
+    return Path(cfg.data_dir) if cfg.data_dir else REPO / "data" / cfg.dataset
+
+
+def ensure_dataset(cfg: Config, world: World) -> dict:
+    """Each host's local rank 0 prepares missing data; every rank waits, then reads meta.json."""
+    data_dir = dataset_dir(cfg)
+    if not (data_dir / "meta.json").exists() and world.local_rank == 0:
+        importlib.import_module(f"data.{cfg.dataset}.prepare").prepare(out_dir=str(data_dir))
+    if world.size > 1:
+        dist.barrier()
+    meta = json.loads((data_dir / "meta.json").read_text())
+    return meta
+
+
+def check_dataset_reachable(cfg: Config):
+    """Fail before any process group exists when data is missing and cannot be made."""
+    data_dir = dataset_dir(cfg)
+    script = REPO / "data" / cfg.dataset / "prepare.py"
+    if not (data_dir / "meta.json").exists() and not script.exists():
+        raise ConfigError(f"no dataset in {data_dir} (meta.json missing) and no {script} to "
+                          f"prepare it: check --dataset / --data_dir")
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: rank 0 writes atomically; tensors and plain values only
+
+def atomic_write(path: Path, write):
+    """Write through a temporary file in the same folder, fsync, then rename over `path`."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def write_json(path: Path, obj):
+    atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
+
+
+def link_or_copy(src: Path, dst: Path):
+    """Point `dst` at `src`'s bytes: a hard link costs no second write; else copy."""
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    try:
+        os.link(src, tmp)
+        os.replace(tmp, dst)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        atomic_write(dst, lambda f: f.write(src.read_bytes()))
+
+
+def gather_rng_states(world: World, device: torch.device, backend: str) -> dict:
+    """Every rank's RNG states, stacked by rank (a collective: all ranks call it)."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    if world.size == 1:
+        return {k: v[None] for k, v in states.items()}
+    comm_device = device if backend == "nccl" else torch.device("cpu")
+    gathered = {}
+    for key, state in states.items():
+        parts = [torch.empty_like(state, device=comm_device) for _ in range(world.size)]
+        dist.all_gather(parts, state.to(comm_device))
+        gathered[key] = torch.stack([p.cpu() for p in parts])
+    return gathered
+
+
+def load_checkpoint(path: Path, model_args: dict, cfg: Config) -> dict:
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    if ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigError(f"{path}: checkpoint format {ckpt.get('format')} is not "
+                          f"{CHECKPOINT_FORMAT}, which this train.py reads")
+    diff = {k: (ckpt["model_args"].get(k), v) for k, v in model_args.items()
+            if k != "dropout" and ckpt["model_args"].get(k) != v}
+    if diff:
+        raise ConfigError(f"{path} holds another model shape (checkpoint, now): {diff}")
+    for name in ("global_batch_size", "seed"):
+        if ckpt["config"][name] != getattr(cfg, name):
+            raise ConfigError(
+                f"{path} was trained with {name}={ckpt['config'][name]}; resuming with "
+                f"{getattr(cfg, name)} would change the data order: keep {name} or use --resume=never")
+    return ckpt
+
+
+def resume_path(cfg: Config, world: World, device: torch.device, backend: str):
+    """The checkpoint to resume from, or None; rank 0 decides for everyone."""
+    if cfg.resume == "never":
+        path = None
+    elif cfg.resume == "auto":
+        path = Path(cfg.out_dir) / "last.pt"
+    else:
+        path = Path(cfg.resume)
+    found = torch.tensor([int(path is not None and path.exists())],
+                         device=device if backend == "nccl" else "cpu")
+    if world.size > 1:
+        dist.broadcast(found, src=0)
+    if not found.item():
+        if cfg.init_from == "resume" or cfg.resume not in ("auto", "never"):
+            raise ConfigError(f"nothing to resume from: {path or 'resume=never'} does not exist")
+        return None
+    return path
+
+
+# -----------------------------------------------------------------------------
+# schedule, evaluation, logging
+
+def get_lr(step: int, cfg: Config) -> float:
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    min_lr = cfg.learning_rate / 10 if cfg.min_lr is None else cfg.min_lr
+    decay_iters = cfg.lr_decay_iters or cfg.max_iters
+    if step < cfg.warmup_iters:
+        return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
+    if step >= decay_iters:
+        return min_lr
+    progress = (step - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.learning_rate - min_lr)
+
+
+@torch.no_grad()
+def evaluate(model, tokens, starts, cfg: Config, world: World, device, autocast) -> float:
+    """Mean loss over fixed windows split across ranks; sums are all-reduced, so every rank agrees."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float32 if device.type == "mps" else torch.float64,
+                         device=device)  # (sum of token losses, token count)
+    mine = starts[world.rank::world.size]
+    for i in range(0, len(mine), cfg.batch_size):
+        x, y = windows_to_batch(tokens, mine[i:i + cfg.batch_size], cfg.block_size, device)
+        with autocast:
+            _, loss = model(x, y)
+        totals[0] += loss.to(totals.dtype) * y.numel()
+        totals[1] += y.numel()
+    if world.size > 1:
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    model.train()
+    return (totals[0] / totals[1]).item()
+
+
+class Logger:
+    """Rank 0's voice: a tqdm bar on a terminal, plain lines otherwise, metrics.jsonl, wandb."""
+
+    def __init__(self, cfg: Config, start_step: int, enabled: bool):
+        self.enabled = enabled
+        self.bar = self.wandb = None
+        if not enabled:
+            return
+        self.metrics = Path(cfg.out_dir) / "metrics.jsonl"
+        if self.metrics.exists():  # a resumed run re-logs the steps after its checkpoint
+            kept = [line for line in self.metrics.read_text().splitlines()
+                    if line and json.loads(line)["step"] <= start_step]
+            atomic_write(self.metrics, lambda f: f.write("".join(l + "\n" for l in kept).encode()))
+        if sys.stdout.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=cfg.max_iters, initial=start_step, dynamic_ncols=True)
+        if cfg.wandb_log:
+            import wandb
+            self.wandb = wandb.init(project=cfg.wandb_project, config=cfg.to_dict(), dir=cfg.out_dir,
+                                    name=cfg.wandb_run_name or Path(cfg.out_dir).name)
+
+    def say(self, text: str):
+        if self.bar:
+            self.bar.write(text)
+        elif self.enabled:
+            print(text, flush=True)
+
+    def log(self, record: dict, text: str):
+        if not self.enabled:
+            return
+        with open(self.metrics, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb:
+            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        self.say(text)
+
+    def advance(self, step: int):
+        if self.bar:
+            self.bar.update(step - self.bar.n)
+
+    def close(self):
+        if self.bar:
+            self.bar.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+# -----------------------------------------------------------------------------
+# the run
+
+def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, backend: str) -> dict:
+    accum = accumulation_steps(cfg, world)
+    meta = ensure_dataset(cfg, world)
+    data_dir = dataset_dir(cfg)
+    out_dir = Path(cfg.out_dir)
+    if world.is_master:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    tokens_per_step = cfg.global_batch_size * cfg.block_size
+
+    # Same seed on every rank for the init, so weights do not depend on the world size.
+    torch.manual_seed(cfg.seed)
+    model_args = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, bias=cfg.bias,
+                      block_size=cfg.block_size, vocab_size=meta["vocab_size"], dropout=cfg.dropout)
+    raw_model = GPT(GPTConfig(**model_args)).to(device)
+    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
+                                               (cfg.beta1, cfg.beta2), device.type)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    loader = ShardedTokenLoader(data_dir / "train.bin", meta["dtype"], cfg.block_size, cfg.batch_size,
+                                cfg.global_batch_size, world.rank, world.size, cfg.seed, device)
+    n_eval = cfg.eval_iters * cfg.batch_size
+    eval_sets = {}
+    for split in ("train", "val"):
+        tokens = open_tokens(data_dir / f"{split}.bin", meta["dtype"])
+        if len(tokens) <= cfg.block_size:
+            raise ConfigError(f"block_size ({cfg.block_size}) is longer than the {split} split "
+                              f"({len(tokens)} tokens): use a smaller --block_size")
+        eval_sets[split] = (tokens, eval_starts(len(tokens), cfg.block_size, n_eval))
+    # Each rank gets its own dropout stream, derived from the one seed.
+    torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
+
+    step, best_val = 0, float("inf")
+    ckpt_path = resume_path(cfg, world, device, backend)
+    if ckpt_path is not None:
+        ckpt = load_checkpoint(ckpt_path, model_args, cfg)
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        loader.load_state_dict(ckpt["loader"])
+        step, best_val = ckpt["step"], ckpt["best_val_loss"]
+        if ckpt["world_size"] == world.size:  # else each rank keeps its fresh derived stream
+            torch.set_rng_state(ckpt["rng"]["cpu"][world.rank])
+            if device.type == "cuda" and "cuda" in ckpt["rng"]:
+                torch.cuda.set_rng_state(ckpt["rng"]["cuda"][world.rank], device)
+        del ckpt
+    start_step = step
+
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    eval_model = model
+    if world.size > 1:
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    log = Logger(cfg, start_step, world.is_master)
+    if world.is_master:
+        run_info = dict(torch=torch.__version__, python=sys.version.split()[0], world_size=world.size,
+                        device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+                        backend=backend, dtype=str(dtype).removeprefix("torch."),
+                        accumulation_steps=accum, tokens_per_step=tokens_per_step)
+        write_json(out_dir / "config.json", {"config": cfg.to_dict(), "run": run_info})
+        write_json(out_dir / "meta.json", meta)
+        log.say(json.dumps(cfg.to_dict(), indent=1))
+        log.say(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | tokens per optimizer step: "
+                f"{tokens_per_step:,} = {cfg.global_batch_size} sequences x {cfg.block_size} tokens "
+                f"({cfg.batch_size} per micro-batch x {world.size} processes x {accum} accumulation steps)")
+        if ckpt_path is not None:
+            log.say(f"resuming from {ckpt_path} at step {step}")
+
+    def checkpoint(val_loss: float, improved: bool):
+        rng = gather_rng_states(world, device, backend)
+        if world.is_master:
+            state = dict(format=CHECKPOINT_FORMAT, model=raw_model.state_dict(),
+                         optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), step=step,
+                         tokens_seen=step * tokens_per_step, val_loss=val_loss, best_val_loss=best_val,
+                         config=cfg.to_dict(), model_args=model_args, loader=loader.state_dict(),
+                         rng=rng, world_size=world.size)
+            atomic_write(out_dir / "last.pt", lambda f: torch.save(state, f))
+            if improved:
+                link_or_copy(out_dir / "last.pt", out_dir / "best.pt")
+        if world.size > 1:
+            dist.barrier()
+
+    val_loss, t_last, last_log_step = None, time.time(), step
+    step_loss = torch.zeros((), device=device)
+    while True:
+        at_end = step >= cfg.max_iters
+        if (step % cfg.eval_interval == 0 or at_end) and not (step == start_step and ckpt_path):
+            losses = {s: evaluate(eval_model, *eval_sets[s], cfg, world, device, autocast)
+                      for s in eval_sets}
+            val_loss = losses["val"]
+            improved = val_loss < best_val
+            best_val = min(best_val, val_loss)
+            log.log({"step": step, "train_eval_loss": losses["train"], "val_loss": val_loss,
+                     "tokens_seen": step * tokens_per_step},
+                    f"step {step}: train loss {losses['train']:.4f}, val loss {val_loss:.4f}")
+            if step > start_step and (cfg.always_save_checkpoint or improved or at_end):
+                checkpoint(val_loss, improved)
+            t_last, last_log_step = time.time(), step  # throughput counts training time only
+        if at_end:
+            break
+
+        if loader.epoch_done:
+            loader.set_epoch(loader.epoch + 1)
+        lr = get_lr(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        step_loss.zero_()
+        for micro in range(accum):
+            x, y = loader.next_batch()
+            # Skip the gradient all-reduce on all but the last micro-step. no_sync must
+            # cover forward too: DDP prepares its reduction during the forward pass.
+            sync = model.no_sync() if world.size > 1 and micro < accum - 1 else nullcontext()
+            with sync:
+                with autocast:
+                    _, loss = model(x, y)
+                # Each loss is a mean over one micro-batch; dividing by the number of
+                # micro-steps makes the summed gradient the mean over the global batch.
+                scaler.scale(loss / accum).backward()
+            step_loss += loss.detach() / accum
+        grad_norm = None
+        if cfg.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+
+        if step % cfg.log_interval == 0 or step == cfg.max_iters:
+            if world.size > 1:  # reduce at log time only: one small all-reduce per log line
+                dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+                step_loss /= world.size
+            loss_value = step_loss.item()
+            elapsed, t_last = time.time() - t_last, time.time()
+            steps_done, last_log_step = step - last_log_step, step
+            record = {"step": step, "loss": loss_value, "lr": lr,
+                      "tokens_per_sec": steps_done * tokens_per_step / elapsed}
+            if grad_norm is not None:
+                record["grad_norm"] = grad_norm.item()
+            text = (f"step {step}: loss {loss_value:.4f}, lr {lr:.2e}, "
+                    f"{record['tokens_per_sec']:,.0f} tok/s")
+            mfu = raw_model.estimate_mfu(cfg.batch_size * accum * steps_done, elapsed,
+                                         cfg.peak_flops or None) if device.type == "cuda" else None
+            if mfu is not None:
+                record["mfu"] = mfu
+                text += f", mfu {mfu * 100:.1f}%"
+            log.log(record, text)
+        log.advance(step)
+
+    log.close()
+    return {"step": step, "val_loss": val_loss, "best_val_loss": best_val}
+
+
+def main(cfg: Config) -> dict:
+    """Set up the process group for this launch, train, and always tear it down."""
+    world = find_world()
+    device = pick_device(cfg, world)
+    dtype = pick_dtype(cfg, device)
+    backend = pick_backend(cfg, device)
+    check_dataset_reachable(cfg)
+    accumulation_steps(cfg, world)  # fail on every rank before anyone waits for a peer
+    if device.type == "cpu":  # ranks on one host share its cores
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, cores // world.local_size))
+    elif device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world.size > 1:
+        dist.init_process_group(backend, rank=world.rank, world_size=world.size,
+                                timeout=timedelta(seconds=cfg.dist_timeout))
+    print(f"host {socket.gethostname()} | rank {world.rank} | local rank {world.local_rank} | "
+          f"world size {world.size} | device {device} | backend {backend if world.size > 1 else 'none'}",
+          flush=True)
+    try:
+        return train(cfg, world, device, dtype, backend)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def strip_local_rank(argv: list[str]) -> list[str]:
+    """Accept torch.distributed.launch's --local-rank=N / --local_rank N and export LOCAL_RANK."""
+    rest, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if name in ("--local-rank", "--local_rank"):
+            value = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
+            i += 1 if "=" in arg else 2
+            os.environ.setdefault("LOCAL_RANK", value)
+            continue
+        rest.append(arg)
+        i += 1
+    return rest
+
+
+def cli(argv=None):
+    args = strip_local_rank(sys.argv[1:] if argv is None else list(argv))
+    try:
+        main(resolve(args))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()

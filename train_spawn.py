@@ -1,0 +1,58 @@
+"""Launch train.py on N local processes with torch.multiprocessing.spawn.
+
+    python train_spawn.py [config.py] [--name=value ...] [--nproc=N]
+
+N defaults to the number of GPUs, or 2 on a machine without one. Each child
+gets RANK / LOCAL_RANK / WORLD_SIZE like torchrun would set them and runs
+train.py's own entry point, so there is no second copy of the training code.
+"""
+
+import os
+import socket
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+import train
+from config import ConfigError, resolve
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(rank: int, nproc: int, args: list[str]):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                      LOCAL_WORLD_SIZE=str(nproc))
+    train.cli(args)
+
+
+def main(argv=None):
+    args = sys.argv[1:] if argv is None else list(argv)
+    nproc = torch.cuda.device_count() or 2
+    nproc_args = [a for a in args if a.startswith("--nproc=")]
+    args = [a for a in args if not a.startswith("--nproc=")]
+    try:
+        if nproc_args:
+            text = nproc_args[-1].split("=", 1)[1]
+            if not text.isdigit() or int(text) < 1:
+                raise ConfigError(f"--nproc must be a positive integer, got '{text}'")
+            nproc = int(text)
+        resolve(args)  # a bad config fails here once, not in N children
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    try:
+        mp.spawn(worker, args=(nproc, args), nprocs=nproc)
+    except mp.ProcessExitedException as e:
+        print(f"error: rank {e.error_index} exited with status {e.exit_code}", file=sys.stderr)
+        sys.exit(e.exit_code or 1)
+
+
+if __name__ == "__main__":
+    main()
