@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import Config, ConfigError, resolve
+from data.common import atomic_write, load_meta
 from loader import ShardedTokenLoader, eval_starts, open_tokens, windows_to_batch
 from model import GPT, GPTConfig
 
@@ -145,8 +146,7 @@ def ensure_dataset(cfg: Config, world: World) -> dict:
         importlib.import_module(f"data.{cfg.dataset}.prepare").prepare(out_dir=str(data_dir))
     if world.size > 1:
         dist.barrier()
-    meta = json.loads((data_dir / "meta.json").read_text())
-    return meta
+    return load_meta(data_dir)
 
 
 def check_dataset_reachable(cfg: Config):
@@ -160,24 +160,6 @@ def check_dataset_reachable(cfg: Config):
 
 # -----------------------------------------------------------------------------
 # checkpoints: rank 0 writes atomically; tensors and plain values only
-
-def atomic_write(path: Path, write):
-    """Write through a temporary file in the same folder, fsync, then rename over `path`."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
 
 def write_json(path: Path, obj):
     atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
