@@ -146,7 +146,10 @@ def ensure_dataset(cfg: Config, world: World) -> dict:
         importlib.import_module(f"data.{cfg.dataset}.prepare").prepare(out_dir=str(data_dir))
     if world.size > 1:
         dist.barrier()
-    return load_meta(data_dir)
+    try:
+        return load_meta(data_dir)
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_dataset_reachable(cfg: Config):

@@ -80,3 +80,18 @@ def test_missing_dataset_is_prepared_by_local_rank_zero(char_data, tmp_path, mon
 def test_uneven_global_batch_names_the_three_numbers(char_data, tmp_path):
     with pytest.raises(train.ConfigError, match=r"global_batch_size \(12\).*batch_size \(8\)"):
         run(char_data, tmp_path, batch_size=8, global_batch_size=12)
+
+
+def test_compiled_model_saves_prefix_free_weights(char_data, tmp_path):
+    run(char_data, tmp_path, compile=True, max_iters=4, eval_interval=4)
+    ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert "transformer.wte.weight" in ckpt["model"]
+    assert not any("_orig_mod" in k or k.startswith("module.") for k in ckpt["model"])
+
+
+def test_wandb_logs_offline_when_asked(char_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run(char_data, tmp_path, wandb_log=True, max_iters=4, eval_interval=4)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
