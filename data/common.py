@@ -284,7 +284,7 @@ def gpt2_encoding(bpe_file=None):
             enc, how = _gpt2_from_bpe(data), f"{WHISPER_PACKAGE} sdist via pip download (cached in {cache})"
     if enc.encode("hello world") != [31373, 995] or enc.n_vocab != 50257:
         raise RuntimeError(f"the GPT-2 encoding from {how} does not behave like GPT-2's")
-    print(f"gpt2 tokenizer: {how}")
+    print(f"gpt2 tokenizer: {how}", file=sys.stderr)  # a diagnostic, not sample text
     return enc
 
 
