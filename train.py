@@ -266,6 +266,24 @@ def evaluate(model, tokens, starts, cfg: Config, world: World, device, autocast)
     return (totals[0] / totals[1]).item()
 
 
+def accumulate_gradients(model, loader, accum: int, autocast, scaler) -> torch.Tensor:
+    """Forward and backward over `accum` micro-batches; return this rank's mean loss (a tensor)."""
+    step_loss = 0.0
+    for micro in range(accum):
+        x, y = loader.next_batch()
+        # Skip the gradient all-reduce on all but the last micro-step. no_sync must
+        # cover forward too: DDP prepares its reduction during the forward pass.
+        last = micro == accum - 1
+        with model.no_sync() if isinstance(model, DDP) and not last else nullcontext():
+            with autocast:
+                _, loss = model(x, y)
+            # Each loss is a mean over one micro-batch; dividing by the number of
+            # micro-steps makes the summed gradient the mean over the global batch.
+            scaler.scale(loss / accum).backward()
+        step_loss += loss.detach() / accum
+    return step_loss
+
+
 class Logger:
     """Rank 0's voice: a tqdm bar on a terminal, plain lines otherwise, metrics.jsonl, wandb."""
 
@@ -357,9 +375,11 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
         loader.load_state_dict(ckpt["loader"])
         step, best_val = ckpt["step"], ckpt["best_val_loss"]
         if ckpt["world_size"] == world.size:  # else each rank keeps its fresh derived stream
-            torch.set_rng_state(ckpt["rng"]["cpu"][world.rank])
+            # clone: a row of the stacked states is a view at an offset, which set_rng_state
+            # would read from the start of the storage (and crash on for rank > 0)
+            torch.set_rng_state(ckpt["rng"]["cpu"][world.rank].clone())
             if device.type == "cuda" and "cuda" in ckpt["rng"]:
-                torch.cuda.set_rng_state(ckpt["rng"]["cuda"][world.rank], device)
+                torch.cuda.set_rng_state(ckpt["rng"]["cuda"][world.rank].clone(), device)
         del ckpt
     start_step = step
 
@@ -398,7 +418,6 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
             dist.barrier()
 
     val_loss, t_last, last_log_step = None, time.time(), step
-    step_loss = torch.zeros((), device=device)
     while True:
         at_end = step >= cfg.max_iters
         if (step % cfg.eval_interval == 0 or at_end) and not (step == start_step and ckpt_path):
@@ -421,19 +440,7 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
         lr = get_lr(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        step_loss.zero_()
-        for micro in range(accum):
-            x, y = loader.next_batch()
-            # Skip the gradient all-reduce on all but the last micro-step. no_sync must
-            # cover forward too: DDP prepares its reduction during the forward pass.
-            sync = model.no_sync() if world.size > 1 and micro < accum - 1 else nullcontext()
-            with sync:
-                with autocast:
-                    _, loss = model(x, y)
-                # Each loss is a mean over one micro-batch; dividing by the number of
-                # micro-steps makes the summed gradient the mean over the global batch.
-                scaler.scale(loss / accum).backward()
-            step_loss += loss.detach() / accum
+        step_loss = accumulate_gradients(model, loader, accum, autocast, scaler)
         grad_norm = None
         if cfg.grad_clip > 0:
             scaler.unscale_(optimizer)

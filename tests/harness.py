@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch.multiprocessing as mp
+
 REPO = Path(__file__).resolve().parent.parent
 AUDIT_HOOK = '''
 import os, sys
@@ -127,3 +129,39 @@ def run_manual_ranks(args: list[str], world_size: int, env: dict, timeout: float
 
 def metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _rank_entry(rank: int, world_size: int, port: int, fn, args: tuple):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fn(rank, world_size, *args)
+
+
+def run_ranks(fn, world_size: int, *args):
+    """Call fn(rank, world_size, *args) in world_size spawned processes set up like torchrun's.
+
+    fn must be a module-level function; it may call train.main or build its own process group.
+    """
+    mp.start_processes(_rank_entry, args=(world_size, free_port(), fn, args),
+                       nprocs=world_size, start_method="spawn")
+
+
+def _train_rank(rank: int, world_size: int, args: list, result_dir: Path, patch):
+    import train
+    from config import resolve
+    if patch is not None:
+        patch(rank)
+    result = train.main(resolve(args))
+    (Path(result_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run_world(world_size: int, args: list[str], result_dir: Path, patch=None) -> list[dict]:
+    """train.main on world_size gloo processes; each rank's returned summary.
+
+    `patch(rank)`, a module-level function, runs in each process before training: a test seam
+    that lives outside train.py (e.g. to count DDP communication).
+    """
+    result_dir = Path(result_dir)
+    result_dir.mkdir(parents=True, exist_ok=True)
+    run_ranks(_train_rank, world_size, args, result_dir, patch)
+    return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(world_size)]

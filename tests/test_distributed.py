@@ -1,0 +1,283 @@
+"""Distributed training is exact: the numbers do not depend on how a run was launched or stopped.
+
+Every test runs real gloo process groups on the CPU with a tiny float32 model.
+
+Tolerances. Runs on different world sizes add the same float32 numbers in another order
+(per-rank partial sums, then an all-reduce), which moves each result by a few ulps. Logged
+losses and gradient norms then agree to ~1e-7 relative; we allow 1e-5. Weights are compared
+on the scale of an update, not of the weight: Adam divides each gradient element by its own
+running magnitude, so an element whose gradient nearly cancels carries a large relative error
+into a step of up to lr (3e-3). Observed differences are ~1e-6 absolute after 8 steps; we
+allow 1e-5, a third of a percent of one step. The bugs these tests exist for (a loss scaled by
+the wrong count shows in the gradient norm, one rank's data or a replayed batch in the loss)
+move these numbers by 1e-2 or more. The models have no biases: the key bias has an exactly-zero
+true gradient, so Adam turns pure rounding noise there into whole-learning-rate steps.
+"""
+
+import json
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import train
+from config import ConfigError, resolve
+from harness import make_char_dataset, metrics, run_ranks, run_world, tiny_args
+
+LOG_RTOL, WEIGHT_ATOL = 1e-5, 1e-5
+STEPS = 8
+
+
+def args_for(data, out, **kw):
+    base = dict(bias=False, batch_size=4, global_batch_size=16, max_iters=STEPS, lr_decay_iters=STEPS,
+                eval_interval=4, log_interval=1)
+    return tiny_args(data, out, **{**base, **kw})
+
+
+def train_run(world_size, data, out, patch=None, **kw) -> list[dict]:
+    """One run on world_size processes (in this process when it is 1)."""
+    args = args_for(data, out, **kw)
+    if world_size == 1:
+        return [train.main(resolve(args))]
+    return run_world(world_size, args, Path(str(out) + "-results"), patch)
+
+
+def weights(out) -> dict:
+    return torch.load(Path(out) / "last.pt", weights_only=True)["model"]
+
+
+def train_log(out) -> list:
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(out) if "loss" in r]
+
+
+def assert_close_runs(a, b):
+    la, lb = train_log(a), train_log(b)
+    assert [r[0] for r in la] == [r[0] for r in lb]
+    torch.testing.assert_close(torch.tensor([r[1:] for r in la]), torch.tensor([r[1:] for r in lb]),
+                               rtol=LOG_RTOL, atol=0)
+    wa, wb = weights(a), weights(b)
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=WEIGHT_ATOL,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def world_runs(char_data, tmp_path_factory):
+    """The same 8 steps as (W=1, accum=4), (W=2, accum=2), (W=4, accum=1)."""
+    root = tmp_path_factory.mktemp("world_runs")
+    results = {w: train_run(w, char_data, root / f"w{w}") for w in (1, 2, 4)}
+    return root, results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_world_size_does_not_change_losses_or_weights(world_runs, world_size):
+    root, _ = world_runs
+    assert_close_runs(root / "w1", root / f"w{world_size}")
+    assert len(train_log(root / "w1")) == STEPS
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_rank_reports_the_single_process_val_loss(world_runs, world_size):
+    root, results = world_runs
+    ranks = results[world_size]
+    assert len({r["val_loss"] for r in ranks}) == 1  # all-reduced: bit-equal on every rank
+    assert ranks[0]["val_loss"] == pytest.approx(results[1][0]["val_loss"], rel=1e-6)
+    evals = lambda w: [(r["step"], r["val_loss"]) for r in metrics(root / f"w{w}") if "val_loss" in r]
+    assert [s for s, _ in evals(world_size)] == [0, 4, 8]
+    assert [v for _, v in evals(world_size)] == pytest.approx([v for _, v in evals(1)], rel=1e-6)
+
+
+# --- point 2: one gradient all-reduce per optimizer step ------------------------------------
+
+def _count_allreduces(rank):
+    """Patch train.DDP so every bucket all-reduce is counted into $COUNT_FILE.rank."""
+    import os
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    path = Path(os.environ["COUNT_FILE"] + f".{rank}")
+
+    def counting_hook(state, bucket):
+        path.write_text(str(int(path.read_text() or 0) + 1) if path.exists() else "1")
+        return allreduce_hook(state, bucket)
+
+    class CountingDDP(train.DDP):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.register_comm_hook(None, counting_hook)
+
+    train.DDP = CountingDDP
+
+
+@pytest.mark.parametrize("batch_size, accum", [(16, 1), (4, 4)])
+def test_gradients_are_all_reduced_once_per_optimizer_step(char_data, tmp_path, monkeypatch,
+                                                            batch_size, accum):
+    # W=2, global batch 32: one micro-step, or four with no_sync on the first three
+    monkeypatch.setenv("COUNT_FILE", str(tmp_path / "allreduces"))
+    args = args_for(char_data, tmp_path / "out", batch_size=batch_size, global_batch_size=32,
+                    max_iters=3, eval_interval=3)
+    run_world(2, args, tmp_path / "results", patch=_count_allreduces)
+    counts = [int((tmp_path / f"allreduces.{r}").read_text()) for r in range(2)]
+    assert counts == [3, 3]  # a 0.03M-parameter model fits one bucket: one call per step
+
+
+def _accumulate(rank, world_size, data_dir, out_file, variant):
+    """Build the tiny model under DDP, run one step's micro-batches, save the gradients."""
+    dist.init_process_group("gloo")
+    from loader import ShardedTokenLoader
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = train.DDP(GPT(GPTConfig(block_size=16, vocab_size=23, n_layer=2, n_head=2, n_embd=32,
+                                    bias=False)))
+    loader = ShardedTokenLoader(Path(data_dir) / "train.bin", "uint16", 16, 2, 16, rank, world_size, 0)
+    loader.set_epoch(0)
+    accum = 16 // (2 * world_size)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    calls = []
+    model.register_comm_hook(None, lambda state, bucket: (calls.append(1), _allreduce(bucket))[1])
+    if variant == "train.py":
+        train.accumulate_gradients(model, loader, accum, nullcontext(), scaler)
+    else:  # the classic bug: no_sync entered after the forward pass
+        for micro in range(accum):
+            x, y = loader.next_batch()
+            _, loss = model(x, y)
+            with model.no_sync() if micro < accum - 1 else nullcontext():
+                (loss / accum).backward()
+    if rank == 0:
+        grads = {n: p.grad for n, p in model.module.named_parameters()}
+        torch.save({"grads": grads, "calls": len(calls)}, out_file)
+    dist.destroy_process_group()
+
+
+def _allreduce(bucket):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    return allreduce_hook(None, bucket)
+
+
+def test_ddp_gradients_equal_single_process_gradients_of_the_global_batch(char_data, tmp_path):
+    run_ranks(_accumulate, 1, str(char_data), tmp_path / "w1.pt", "train.py")
+    run_ranks(_accumulate, 2, str(char_data), tmp_path / "w2.pt", "train.py")
+    run_ranks(_accumulate, 2, str(char_data), tmp_path / "late.pt", "no_sync after forward")
+    single, ddp, late = (torch.load(tmp_path / f, weights_only=True) for f in ("w1.pt", "w2.pt", "late.pt"))
+    for name, grad in single["grads"].items():
+        torch.testing.assert_close(ddp["grads"][name], grad, rtol=1e-5, atol=1e-7)
+    assert ddp["calls"] == 1
+    # Entering no_sync after the forward pass is too late: DDP arms its reducer in the forward,
+    # so every micro-step's backward is all-reduced anyway: 4 all-reduces instead of 1. The
+    # gradients still agree here (averaging is linear, so early averages add up to the same
+    # mean); what the late no_sync costs is accum-times the gradient communication.
+    assert late["calls"] == 4
+    for name, grad in single["grads"].items():
+        torch.testing.assert_close(late["grads"][name], grad, rtol=1e-5, atol=1e-7)
+
+
+# --- points 5-7: resume exactly, on the same or another world size ---------------------------
+
+def checkpoint(out) -> dict:
+    return torch.load(Path(out) / "last.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_ddp_resume_is_bit_identical(char_data, tmp_path, dropout):
+    # with dropout, each rank's RNG stream must be saved (gathered on rank 0) and restored
+    straight, legs = tmp_path / "straight", tmp_path / "legs"
+    train_run(2, char_data, straight, dropout=dropout)
+    train_run(2, char_data, legs, dropout=dropout, max_iters=4)
+    train_run(2, char_data, legs, dropout=dropout, resume="auto")
+    a, b = checkpoint(straight), checkpoint(legs)
+    assert b["step"] == STEPS and a["loader"] == b["loader"]
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    for pid, state in a["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, b["optimizer"]["state"][pid][key]), (pid, key)
+    assert torch.equal(a["rng"]["cpu"], b["rng"]["cpu"]) and a["rng"]["cpu"].shape[0] == 2
+    assert train_log(straight) == train_log(legs)  # bit for bit, and no step logged twice
+
+
+@pytest.mark.parametrize("resume_world", [1, 4])
+def test_resume_on_another_world_size_continues_with_the_next_global_batch(
+        world_runs, char_data, tmp_path, resume_world):
+    root, _ = world_runs  # root / "w2": the uninterrupted 8 steps on W=2
+    legs = tmp_path / "legs"
+    train_run(2, char_data, legs, max_iters=4)
+    train_run(resume_world, char_data, legs, resume="auto")
+    assert checkpoint(legs)["world_size"] == resume_world
+    assert_close_runs(root / "w2", legs)
+
+
+def test_resume_on_a_world_size_that_cannot_hold_the_global_batch_stops(char_data, tmp_path,
+                                                                          monkeypatch):
+    train_run(1, char_data, tmp_path, max_iters=4)
+    # global batch 16 of micro-batches of 4 cannot be split over 3 processes: stop, say so,
+    # and never silently change the data order (this fails before any process group exists)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"global_batch_size \(16\).*batch_size \(4\) x world size \(3\)"):
+        train.main(resolve(args_for(char_data, tmp_path, resume="auto")))
+    assert checkpoint(tmp_path)["step"] == 4
+
+
+# --- point 8: epochs ----------------------------------------------------------------------
+
+def _record_epochs(rank):
+    """Log every set_epoch call and every micro-batch's window starts to $EPOCH_LOG.rank."""
+    import os
+    import loader as loader_module
+    log = Path(os.environ["EPOCH_LOG"] + f".{rank}")
+    original_set_epoch = loader_module.ShardedTokenLoader.set_epoch
+    original_rank_starts = loader_module.ShardedTokenLoader.rank_starts
+
+    def set_epoch(self, epoch):
+        with open(log, "a") as f:
+            f.write(json.dumps({"set_epoch": epoch}) + "\n")
+        original_set_epoch(self, epoch)
+
+    def rank_starts(self):
+        starts = original_rank_starts(self)
+        with open(log, "a") as f:
+            f.write(json.dumps({"epoch": self.epoch, "starts": starts.tolist()}) + "\n")
+        return starts
+
+    loader_module.ShardedTokenLoader.set_epoch = set_epoch
+    loader_module.ShardedTokenLoader.rank_starts = rank_starts
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    # 2,700 training characters: 167 windows of 16, so 10 steps of 16 windows per epoch
+    return make_char_dataset(tmp_path_factory.mktemp("small"), n_chars=3000)
+
+
+def test_epochs_call_set_epoch_and_never_repeat_a_window(small_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("EPOCH_LOG", str(tmp_path / "epochs"))
+    train_run(2, small_data, tmp_path / "out", patch=_record_epochs, max_iters=25, lr_decay_iters=25,
+              eval_interval=25)
+    per_epoch, calls = {}, []
+    for rank in range(2):
+        for line in (tmp_path / f"epochs.{rank}").read_text().splitlines():
+            event = json.loads(line)
+            if "set_epoch" in event:
+                calls.append((rank, event["set_epoch"]))
+            else:
+                per_epoch.setdefault(event["epoch"], []).extend(event["starts"])
+    assert sorted(calls) == [(r, e) for r in range(2) for e in range(3)]  # 25 steps: epochs 0, 1, 2
+    assert sorted(per_epoch) == [0, 1, 2]
+    for epoch, starts in per_epoch.items():
+        assert len(starts) == len(set(starts)), f"a window repeats within epoch {epoch}"
+    assert len(per_epoch[0]) == len(per_epoch[1]) == 160 and len(per_epoch[2]) == 80
+    assert set(per_epoch[0]) != set(per_epoch[1])  # a fresh offset and order each epoch
+
+
+def test_resume_exactly_on_an_epoch_boundary(small_data, tmp_path):
+    straight, legs = tmp_path / "straight", tmp_path / "legs"
+    common = dict(max_iters=20, lr_decay_iters=20, eval_interval=10)
+    train_run(2, small_data, straight, **common)
+    train_run(2, small_data, legs, **{**common, "max_iters": 10})  # stops at the end of epoch 0
+    assert checkpoint(legs)["loader"] == {"epoch": 0, "position": 160}
+    train_run(2, small_data, legs, **common, resume="auto")
+    a, b = checkpoint(straight), checkpoint(legs)
+    assert b["loader"] == a["loader"] == {"epoch": 1, "position": 160}
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
