@@ -147,6 +147,8 @@ def _accumulate(rank, world_size, data_dir, out_file, variant):
     if rank == 0:
         grads = {n: p.grad for n, p in model.module.named_parameters()}
         torch.save({"grads": grads, "calls": len(calls)}, out_file)
+    del model  # DDP's reducer must go before its process group, or gloo may abort at exit
+    dist.barrier()
     dist.destroy_process_group()
 
 
