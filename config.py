@@ -39,7 +39,7 @@ class Config:
     init_from: str = "scratch"              # "scratch", or "resume" (a checkpoint must exist)
     resume: str = "auto"                    # "auto" (out_dir/last.pt if present), "never", or a checkpoint path
     eval_interval: int = 250                # optimizer steps between evals (and checkpoints)
-    eval_iters: int = 20                    # batches of batch_size windows per split per eval, over all ranks
+    eval_iters: int = 20                    # eval windows per split = eval_iters x global_batch_size
     log_interval: int = 10                  # optimizer steps between train-loss logs
     always_save_checkpoint: bool = True     # write last.pt at every eval, not only when val improves
     seed: int = 1337                        # one seed; data order, init and each rank's dropout derive from it

@@ -15,6 +15,7 @@ environment (torchrun / manual RANK, WORLD_SIZE...), else SLURM's, else this
 is a single process. Only global rank 0 writes into out_dir.
 """
 
+import gc
 import importlib
 import json
 import math
@@ -354,7 +355,7 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     loader = ShardedTokenLoader(data_dir / "train.bin", meta["dtype"], cfg.block_size, cfg.batch_size,
                                 cfg.global_batch_size, world.rank, world.size, cfg.seed, device)
-    n_eval = cfg.eval_iters * cfg.batch_size
+    n_eval = cfg.eval_iters * cfg.global_batch_size  # not per rank: the same windows for any launch
     eval_sets = {}
     for split in ("train", "val"):
         tokens = open_tokens(data_dir / f"{split}.bin", meta["dtype"])
@@ -374,6 +375,9 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
         scaler.load_state_dict(ckpt["scaler"])
         loader.load_state_dict(ckpt["loader"])
         step, best_val = ckpt["step"], ckpt["best_val_loss"]
+        if ckpt["world_size"] != world.size and world.is_master:
+            print(f"note: {ckpt_path} was written by {ckpt['world_size']} processes; the data "
+                  f"order continues exactly, dropout streams are derived afresh", flush=True)
         if ckpt["world_size"] == world.size:  # else each rank keeps its fresh derived stream
             # clone: a row of the stacked states is a view at an offset, which set_rng_state
             # would read from the start of the storage (and crash on for rank > 0)
@@ -498,6 +502,9 @@ def main(cfg: Config) -> dict:
         return train(cfg, world, device, dtype, backend)
     finally:
         if dist.is_initialized():
+            # DDP sits in reference cycles; if it outlives the group, gloo's threads can
+            # abort the process at exit ("terminate called without an active exception")
+            gc.collect()
             dist.destroy_process_group()
 
 
