@@ -20,10 +20,12 @@ import importlib
 import json
 import math
 import os
+import signal
 import socket
 import sys
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -33,13 +35,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import checkpoint
 from config import Config, ConfigError, resolve
 from data.common import atomic_write, load_meta
 from loader import ShardedTokenLoader, eval_starts, open_tokens, windows_to_batch
 from model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parent
-CHECKPOINT_FORMAT = 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -52,6 +54,7 @@ class World:
     local_rank: int = 0
     size: int = 1
     local_size: int = 1
+    group: object = None  # a gloo group for small CPU messages (the default group unless NCCL)
 
     @property
     def is_master(self) -> bool:
@@ -163,73 +166,64 @@ def check_dataset_reachable(cfg: Config):
 
 
 # -----------------------------------------------------------------------------
-# checkpoints: rank 0 writes atomically; tensors and plain values only
+# failures and signals
+
+class LaunchError(RuntimeError):
+    """A distributed failure the user must act on: reported in a few lines, exit status 1."""
+
+
+COMM_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "socket", "peer", "closed")
+
+
+@contextmanager
+def collective_failures_explained(world: World, cfg: Config, where):
+    """Turn a timed-out or broken collective into a message that says what to do."""
+    try:
+        yield
+    except RuntimeError as e:
+        if world.size == 1 or isinstance(e, LaunchError) or not (
+                isinstance(e, dist.DistError) or any(w in str(e).lower() for w in COMM_WORDS)):
+            raise
+        raise LaunchError(
+            f"rank {world.rank} on {socket.gethostname()}, {where()}: a collective timed out or "
+            f"failed ({str(e).splitlines()[0][:300]}). A peer process died or the network between "
+            f"hosts is down (dist_timeout={cfg.dist_timeout:g}s). The last checkpoint is "
+            f"{cfg.out_dir}/last.pt on rank 0's host: relaunch with resume=auto to continue.") from None
+
+
+class StopSignal:
+    """SIGTERM (a scheduler's preemption, torchrun passing it on) asks the run to stop
+    at the next step boundary; all ranks agree on it, so they stop together."""
+
+    def __init__(self):
+        self.received = False
+        self.previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # only there can it be set
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+    def agreed(self, world: World) -> bool:
+        if world.size == 1:
+            return self.received
+        flag = torch.tensor([int(self.received)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=world.group)  # a tiny CPU message
+        return bool(flag.item())
+
+
+# -----------------------------------------------------------------------------
+# checkpoints are in checkpoint.py; the run's own small files
 
 def write_json(path: Path, obj):
     atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
-
-
-def link_or_copy(src: Path, dst: Path):
-    """Point `dst` at `src`'s bytes: a hard link costs no second write; else copy."""
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    try:
-        os.link(src, tmp)
-        os.replace(tmp, dst)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        atomic_write(dst, lambda f: f.write(src.read_bytes()))
-
-
-def gather_rng_states(world: World, device: torch.device, backend: str) -> dict:
-    """Every rank's RNG states, stacked by rank (a collective: all ranks call it)."""
-    states = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    if world.size == 1:
-        return {k: v[None] for k, v in states.items()}
-    comm_device = device if backend == "nccl" else torch.device("cpu")
-    gathered = {}
-    for key, state in states.items():
-        parts = [torch.empty_like(state, device=comm_device) for _ in range(world.size)]
-        dist.all_gather(parts, state.to(comm_device))
-        gathered[key] = torch.stack([p.cpu() for p in parts])
-    return gathered
-
-
-def load_checkpoint(path: Path, model_args: dict, cfg: Config) -> dict:
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    if ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise ConfigError(f"{path}: checkpoint format {ckpt.get('format')} is not "
-                          f"{CHECKPOINT_FORMAT}, which this train.py reads")
-    diff = {k: (ckpt["model_args"].get(k), v) for k, v in model_args.items()
-            if k != "dropout" and ckpt["model_args"].get(k) != v}
-    if diff:
-        raise ConfigError(f"{path} holds another model shape (checkpoint, now): {diff}")
-    for name in ("global_batch_size", "seed"):
-        if ckpt["config"][name] != getattr(cfg, name):
-            raise ConfigError(
-                f"{path} was trained with {name}={ckpt['config'][name]}; resuming with "
-                f"{getattr(cfg, name)} would change the data order: keep {name} or use --resume=never")
-    return ckpt
-
-
-def resume_path(cfg: Config, world: World, device: torch.device, backend: str):
-    """The checkpoint to resume from, or None; rank 0 decides for everyone."""
-    if cfg.resume == "never":
-        path = None
-    elif cfg.resume == "auto":
-        path = Path(cfg.out_dir) / "last.pt"
-    else:
-        path = Path(cfg.resume)
-    found = torch.tensor([int(path is not None and path.exists())],
-                         device=device if backend == "nccl" else "cpu")
-    if world.size > 1:
-        dist.broadcast(found, src=0)
-    if not found.item():
-        if cfg.init_from == "resume" or cfg.resume not in ("auto", "never"):
-            raise ConfigError(f"nothing to resume from: {path or 'resume=never'} does not exist")
-        return None
-    return path
 
 
 # -----------------------------------------------------------------------------
@@ -342,6 +336,8 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
     out_dir = Path(cfg.out_dir)
     if world.is_master:
         out_dir.mkdir(parents=True, exist_ok=True)
+        for path in checkpoint.remove_stale_temporaries(out_dir):
+            print(f"removed {path}, left by a run that was killed while writing", flush=True)
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     tokens_per_step = cfg.global_batch_size * cfg.block_size
 
@@ -366,24 +362,30 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
     # Each rank gets its own dropout stream, derived from the one seed.
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
 
-    step, best_val = 0, float("inf")
-    ckpt_path = resume_path(cfg, world, device, backend)
-    if ckpt_path is not None:
-        ckpt = load_checkpoint(ckpt_path, model_args, cfg)
+    step, best_val, ckpt, error = 0, float("inf"), None, None
+    if world.is_master:  # only rank 0 reads: other hosts need no copy of the file
+        try:
+            path = checkpoint.find(cfg)
+            if path is not None:
+                ckpt = checkpoint.load(path, model_args, cfg)
+        except ConfigError as e:
+            error = str(e)
+    if world.size > 1:
+        ckpt, error = checkpoint.share_from_rank0(ckpt, error, world.group)
+    if error:
+        raise ConfigError(error)
+    resumed_from = ckpt and ckpt["path"]
+    if ckpt is not None:
         raw_model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scaler.load_state_dict(ckpt["scaler"])
         loader.load_state_dict(ckpt["loader"])
         step, best_val = ckpt["step"], ckpt["best_val_loss"]
-        if ckpt["world_size"] != world.size and world.is_master:
-            print(f"note: {ckpt_path} was written by {ckpt['world_size']} processes; the data "
+        if ckpt["world_size"] == world.size:
+            checkpoint.restore_rng_states(ckpt["rng"], world.rank)
+        elif world.is_master:
+            print(f"note: {resumed_from} was written by {ckpt['world_size']} processes; the data "
                   f"order continues exactly, dropout streams are derived afresh", flush=True)
-        if ckpt["world_size"] == world.size:  # else each rank keeps its fresh derived stream
-            # clone: a row of the stacked states is a view at an offset, which set_rng_state
-            # would read from the start of the storage (and crash on for rank > 0)
-            torch.set_rng_state(ckpt["rng"]["cpu"][world.rank].clone())
-            if device.type == "cuda" and "cuda" in ckpt["rng"]:
-                torch.cuda.set_rng_state(ckpt["rng"]["cuda"][world.rank].clone(), device)
         del ckpt
     start_step = step
 
@@ -404,79 +406,114 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
         log.say(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | tokens per optimizer step: "
                 f"{tokens_per_step:,} = {cfg.global_batch_size} sequences x {cfg.block_size} tokens "
                 f"({cfg.batch_size} per micro-batch x {world.size} processes x {accum} accumulation steps)")
-        if ckpt_path is not None:
-            log.say(f"resuming from {ckpt_path} at step {step}")
+        if resumed_from:
+            log.say(f"resuming from {resumed_from} at step {step}")
 
-    def checkpoint(val_loss: float, improved: bool):
-        rng = gather_rng_states(world, device, backend)
+    def save_checkpoint(val_loss, best: bool):
+        rng = checkpoint.gather_rng_states(world.size, world.group)
         if world.is_master:
-            state = dict(format=CHECKPOINT_FORMAT, model=raw_model.state_dict(),
+            state = dict(format=checkpoint.FORMAT, model=raw_model.state_dict(),
                          optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), step=step,
                          tokens_seen=step * tokens_per_step, val_loss=val_loss, best_val_loss=best_val,
                          config=cfg.to_dict(), model_args=model_args, loader=loader.state_dict(),
                          rng=rng, world_size=world.size)
-            atomic_write(out_dir / "last.pt", lambda f: torch.save(state, f))
-            if improved:
-                link_or_copy(out_dir / "last.pt", out_dir / "best.pt")
+            checkpoint.save(state, out_dir, best)
         if world.size > 1:
-            dist.barrier()
+            dist.barrier(group=world.group)
 
-    val_loss, t_last, last_log_step = None, time.time(), step
-    while True:
-        at_end = step >= cfg.max_iters
-        if (step % cfg.eval_interval == 0 or at_end) and not (step == start_step and ckpt_path):
-            losses = {s: evaluate(eval_model, *eval_sets[s], cfg, world, device, autocast)
-                      for s in eval_sets}
-            val_loss = losses["val"]
-            improved = val_loss < best_val
-            best_val = min(best_val, val_loss)
-            log.log({"step": step, "train_eval_loss": losses["train"], "val_loss": val_loss,
-                     "tokens_seen": step * tokens_per_step},
-                    f"step {step}: train loss {losses['train']:.4f}, val loss {val_loss:.4f}")
-            if step > start_step and (cfg.always_save_checkpoint or improved or at_end):
-                checkpoint(val_loss, improved)
-            t_last, last_log_step = time.time(), step  # throughput counts training time only
-        if at_end:
-            break
+    val_loss, t_last, last_log_step, stopped = None, time.time(), step, False
+    with StopSignal() as stop, collective_failures_explained(world, cfg, lambda: f"step {step}"):
+        while True:
+            at_end = step >= cfg.max_iters
+            if (step % cfg.eval_interval == 0 or at_end) and not (step == start_step and resumed_from):
+                losses = {s: evaluate(eval_model, *eval_sets[s], cfg, world, device, autocast)
+                          for s in eval_sets}
+                val_loss = losses["val"]
+                improved = val_loss < best_val
+                best_val = min(best_val, val_loss)
+                log.log({"step": step, "train_eval_loss": losses["train"], "val_loss": val_loss,
+                         "tokens_seen": step * tokens_per_step},
+                        f"step {step}: train loss {losses['train']:.4f}, val loss {val_loss:.4f}")
+                if step > start_step and (cfg.always_save_checkpoint or improved or at_end):
+                    save_checkpoint(val_loss, improved)
+                t_last, last_log_step = time.time(), step  # throughput counts training time only
+            if at_end:
+                break
+            if stop.agreed(world):
+                save_checkpoint(val_loss, best=False)
+                log.say(f"stopped by SIGTERM at step {step}; {out_dir}/last.pt holds it: "
+                        f"relaunch with resume=auto to continue")
+                stopped = True
+                break
 
-        if loader.epoch_done:
-            loader.set_epoch(loader.epoch + 1)
-        lr = get_lr(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        step_loss = accumulate_gradients(model, loader, accum, autocast, scaler)
-        grad_norm = None
-        if cfg.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
+            if loader.epoch_done:
+                loader.set_epoch(loader.epoch + 1)
+            lr = get_lr(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            step_loss = accumulate_gradients(model, loader, accum, autocast, scaler)
+            grad_norm = None
+            if cfg.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
 
-        if step % cfg.log_interval == 0 or step == cfg.max_iters:
-            if world.size > 1:  # reduce at log time only: one small all-reduce per log line
-                dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
-                step_loss /= world.size
-            loss_value = step_loss.item()
-            elapsed, t_last = time.time() - t_last, time.time()
-            steps_done, last_log_step = step - last_log_step, step
-            record = {"step": step, "loss": loss_value, "lr": lr,
-                      "tokens_per_sec": steps_done * tokens_per_step / elapsed}
-            if grad_norm is not None:
-                record["grad_norm"] = grad_norm.item()
-            text = (f"step {step}: loss {loss_value:.4f}, lr {lr:.2e}, "
-                    f"{record['tokens_per_sec']:,.0f} tok/s")
-            mfu = raw_model.estimate_mfu(cfg.batch_size * accum * steps_done, elapsed,
-                                         cfg.peak_flops or None) if device.type == "cuda" else None
-            if mfu is not None:
-                record["mfu"] = mfu
-                text += f", mfu {mfu * 100:.1f}%"
-            log.log(record, text)
-        log.advance(step)
+            if step % cfg.log_interval == 0 or step == cfg.max_iters:
+                if world.size > 1:  # reduce at log time only: one small all-reduce per log line
+                    dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+                    step_loss /= world.size
+                loss_value = step_loss.item()
+                elapsed, t_last = time.time() - t_last, time.time()
+                steps_done, last_log_step = step - last_log_step, step
+                record = {"step": step, "loss": loss_value, "lr": lr,
+                          "tokens_per_sec": steps_done * tokens_per_step / elapsed}
+                if grad_norm is not None:
+                    record["grad_norm"] = grad_norm.item()
+                text = (f"step {step}: loss {loss_value:.4f}, lr {lr:.2e}, "
+                        f"{record['tokens_per_sec']:,.0f} tok/s")
+                mfu = raw_model.estimate_mfu(cfg.batch_size * accum * steps_done, elapsed,
+                                             cfg.peak_flops or None) if device.type == "cuda" else None
+                if mfu is not None:
+                    record["mfu"] = mfu
+                    text += f", mfu {mfu * 100:.1f}%"
+                log.log(record, text)
+            log.advance(step)
 
     log.close()
-    return {"step": step, "val_loss": val_loss, "best_val_loss": best_val}
+    return {"step": step, "val_loss": val_loss, "best_val_loss": best_val, "stopped": stopped}
+
+
+def join_process_group(cfg: Config, world: World, backend: str):
+    """init_process_group, with a message that says what to check when peers never come."""
+    address = f"{os.environ.get('MASTER_ADDR', '(MASTER_ADDR unset)')}:{os.environ.get('MASTER_PORT', '(MASTER_PORT unset)')}"
+    try:
+        dist.init_process_group(backend, rank=world.rank, world_size=world.size,
+                                timeout=timedelta(seconds=cfg.dist_timeout))
+    except (RuntimeError, ValueError) as e:  # torch's DistError family is RuntimeError
+        raise LaunchError(
+            f"rank {world.rank} on {socket.gethostname()} could not form the process group of "
+            f"{world.size} ranks at {address} within dist_timeout={cfg.dist_timeout:g}s "
+            f"({str(e).splitlines()[0][:300]}). Check that every host started its ranks with the "
+            f"same MASTER_ADDR, MASTER_PORT and WORLD_SIZE; that {address} is reachable from every "
+            f"host (address, port, firewall); and that GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name "
+            f"the network interface that links the hosts.") from None
+    # Small CPU messages (stop flags, RNG states, checkpoint bytes) go through gloo, also under NCCL.
+    world.group = dist.new_group(backend="gloo") if backend != "gloo" else None
+
+
+def check_group(world: World, device: torch.device, backend: str):
+    """One small all-reduce with a known answer, so a broken fabric fails now, not at step 500."""
+    if world.size == 1:
+        return
+    probe = torch.tensor([world.rank + 1.0], device=device)
+    dist.all_reduce(probe)
+    expected = world.size * (world.size + 1) / 2
+    if probe.item() != expected:
+        raise LaunchError(f"the startup all-reduce over {backend} gave {probe.item()}, not "
+                          f"{expected}: the connection between ranks is broken")
 
 
 def main(cfg: Config) -> dict:
@@ -493,13 +530,14 @@ def main(cfg: Config) -> dict:
     elif device.type == "cuda":
         torch.cuda.set_device(device)
     if world.size > 1:
-        dist.init_process_group(backend, rank=world.rank, world_size=world.size,
-                                timeout=timedelta(seconds=cfg.dist_timeout))
+        join_process_group(cfg, world, backend)
     print(f"host {socket.gethostname()} | rank {world.rank} | local rank {world.local_rank} | "
           f"world size {world.size} | device {device} | backend {backend if world.size > 1 else 'none'}",
           flush=True)
     try:
-        return train(cfg, world, device, dtype, backend)
+        with collective_failures_explained(world, cfg, lambda: "before the first step"):
+            check_group(world, device, backend)
+            return train(cfg, world, device, dtype, backend)
     finally:
         if dist.is_initialized():
             # DDP sits in reference cycles; if it outlives the group, gloo's threads can
@@ -527,10 +565,15 @@ def strip_local_rank(argv: list[str]) -> list[str]:
 def cli(argv=None):
     args = strip_local_rank(sys.argv[1:] if argv is None else list(argv))
     try:
-        main(resolve(args))
+        result = main(resolve(args))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    if result["stopped"]:  # like any process ended by SIGTERM, but only after saving
+        sys.exit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

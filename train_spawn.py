@@ -8,6 +8,7 @@ train.py's own entry point, so there is no second copy of the training code.
 """
 
 import os
+import signal
 import socket
 import sys
 
@@ -47,8 +48,13 @@ def main(argv=None):
         sys.exit(2)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
+    context = mp.spawn(worker, args=(nproc, args), nprocs=nproc, join=False)
+    # Pass a scheduler's SIGTERM on, as torchrun does: each rank stops at a step boundary and saves.
+    signal.signal(signal.SIGTERM, lambda signum, frame: [os.kill(p.pid, signum) for p in context.processes
+                                                         if p.is_alive()])
     try:
-        mp.spawn(worker, args=(nproc, args), nprocs=nproc)
+        while not context.join():
+            pass
     except mp.ProcessExitedException as e:
         print(f"error: rank {e.error_index} exited with status {e.exit_code}", file=sys.stderr)
         sys.exit(e.exit_code or 1)

@@ -45,3 +45,12 @@ def test_hand_set_environment_variables(launch):
     outputs = run_manual_ranks(args, 2, env)
     assert "rank 1 | local rank 1 | world size 2" in outputs[1]
     check_rank0_wrote_everything(out_dir, audit_dir)
+
+
+def test_legacy_torch_distributed_launch_passes_local_rank(launch):
+    pytest.importorskip("torch.distributed.launch", reason="this torch no longer ships the launcher")
+    args, out_dir, audit_dir, env = launch
+    proc = run([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2", "train.py", *args],
+               env)
+    assert "rank 1 | local rank 1 | world size 2" in proc.stdout
+    check_rank0_wrote_everything(out_dir, audit_dir)

@@ -1,0 +1,177 @@
+"""Checkpoints: written by rank 0 atomically, read by rank 0, shared with every rank.
+
+A checkpoint is a dict of tensors and plain Python values, so that
+`torch.load(path, weights_only=True)` reads it and nothing in it can run code.
+Only global rank 0 touches the file system; the other ranks receive the state
+over the process group, so hosts need no shared disk. The cost: rank 0 sends
+the whole checkpoint (weights, optimizer moments: about 12 bytes per parameter
+for AdamW in float32) to every other rank once per resume, over the gloo
+control group, and each rank briefly holds a second copy of it in memory.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from config import Config, ConfigError
+from data.common import atomic_write
+
+FORMAT = 1
+
+
+def link_or_copy(src: Path, dst: Path):
+    """Point `dst` at `src`'s bytes: a hard link costs no second write; else copy."""
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    try:
+        os.link(src, tmp)
+        os.replace(tmp, dst)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        atomic_write(dst, lambda f: f.write(src.read_bytes()))
+
+
+def save(state: dict, out_dir: Path, best: bool):
+    """Write last.pt atomically (temporary file, fsync, rename); make best.pt the same bytes if best."""
+    atomic_write(out_dir / "last.pt", lambda f: torch.save(state, f))
+    if best:
+        link_or_copy(out_dir / "last.pt", out_dir / "best.pt")
+
+
+def remove_stale_temporaries(out_dir: Path) -> list:
+    """Delete temporary files a killed run left behind (they never replaced a real file)."""
+    stale = sorted(out_dir.glob(".*.tmp"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
+def gather_rng_states(world_size: int, group=None) -> dict:
+    """Every rank's RNG states, stacked by rank. A collective: every rank calls it."""
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()  # a CPU tensor, like the CPU state
+    if world_size == 1:
+        return {k: v[None] for k, v in states.items()}
+    gathered = {}
+    for key, state in states.items():
+        parts = [torch.empty_like(state) for _ in range(world_size)]
+        dist.all_gather(parts, state, group=group)
+        gathered[key] = torch.stack(parts)
+    return gathered
+
+
+def restore_rng_states(rng: dict, rank: int):
+    # clone: a row of the stacked states is a view at an offset, and set_rng_state reads
+    # such a view from the start of its storage (rank > 0 crashed on it)
+    torch.set_rng_state(rng["cpu"][rank].clone())
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"][rank].clone())
+
+
+def find(cfg: Config):
+    """The checkpoint to resume from on this host, or None."""
+    if cfg.resume == "never":
+        path = None
+    elif cfg.resume == "auto":
+        path = Path(cfg.out_dir) / "last.pt"
+    else:
+        path = Path(cfg.resume)
+    if path is not None and path.exists():
+        return path
+    if cfg.init_from == "resume" or cfg.resume not in ("auto", "never"):
+        raise ConfigError(f"nothing to resume from: {path or 'resume=never'} does not exist")
+    return None
+
+
+def load(path: Path, model_args: dict, cfg: Config) -> dict:
+    """Read and check a checkpoint against the run that wants to continue it."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, random bytes, a pickle that is not plain data...
+        raise ConfigError(f"cannot read checkpoint {path}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        version = ckpt.get("format") if isinstance(ckpt, dict) else None
+        raise ConfigError(f"{path}: checkpoint format {version} is not {FORMAT}, "
+                          f"which this train.py reads")
+    diff = {k: (ckpt["model_args"].get(k), v) for k, v in model_args.items()
+            if k != "dropout" and ckpt["model_args"].get(k) != v}
+    if diff:
+        raise ConfigError(f"{path} holds another model shape (checkpoint, now): {diff}")
+    for name in ("global_batch_size", "seed"):
+        if ckpt["config"][name] != getattr(cfg, name):
+            raise ConfigError(
+                f"{path} was trained with {name}={ckpt['config'][name]}; resuming with "
+                f"{getattr(cfg, name)} would change the data order: keep {name} or use --resume=never")
+    ckpt["path"] = str(path)
+    return ckpt
+
+
+def _pack(obj, tensors: list):
+    """A JSON-able description of `obj` with its tensors moved out into `tensors`."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return {"tensor": len(tensors) - 1}
+    if isinstance(obj, dict):  # keys keep their type (optimizer state is keyed by int)
+        return {"dict": [[_pack(k, tensors), _pack(v, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return {type(obj).__name__: [_pack(v, tensors) for v in obj]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"value": obj}
+    raise TypeError(f"a checkpoint holds only tensors and plain values, not {type(obj).__name__}")
+
+
+def _unpack(desc: dict, tensors: list):
+    kind, body = next(iter(desc.items()))
+    if kind == "tensor":
+        return tensors[body]
+    if kind == "dict":
+        return {_unpack(k, tensors): _unpack(v, tensors) for k, v in body}
+    if kind in ("list", "tuple"):
+        items = [_unpack(v, tensors) for v in body]
+        return items if kind == "list" else tuple(items)
+    return body
+
+
+def _broadcast_bytes(data: torch.Tensor, group) -> torch.Tensor:
+    """Broadcast a uint8 tensor of any length from rank 0 (others pass an empty one)."""
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    if dist.get_rank() != 0:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=group)
+    return data
+
+
+def share_from_rank0(ckpt, error, group=None):
+    """Send rank 0's checkpoint (or its error) to every rank: tensors as raw bytes, the rest as JSON.
+
+    No pickle: the structure travels as JSON, the tensors as one flat byte buffer.
+    Returns (ckpt, error) on every rank.
+    """
+    tensors: list = []
+    if dist.get_rank() == 0:
+        desc = {"error": error} if error is not None else {"ckpt": _pack(ckpt, tensors)}
+        desc["tensors"] = [(str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size())
+                           for t in tensors]
+        header = torch.frombuffer(bytearray(json.dumps(desc).encode()), dtype=torch.uint8)
+        payload = (torch.cat([t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+                   if tensors else torch.empty(0, dtype=torch.uint8))
+    else:
+        header = payload = torch.empty(0, dtype=torch.uint8)
+    desc = json.loads(_broadcast_bytes(header, group).numpy().tobytes())
+    payload = _broadcast_bytes(payload, group)
+    if "error" in desc:
+        return None, desc["error"]
+    if dist.get_rank() == 0:
+        return ckpt, None
+    received, offset = [], 0
+    for dtype, shape, nbytes in desc["tensors"]:
+        chunk = payload[offset:offset + nbytes].clone()  # clone: aligned memory for the view
+        received.append(chunk.view(getattr(torch, dtype)).reshape(shape))
+        offset += nbytes
+    return _unpack(desc["ckpt"], received), None
+
