@@ -20,6 +20,7 @@ import importlib
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -62,12 +63,19 @@ class World:
 
 
 def slurm_first_host(nodelist: str) -> str:
-    """First host of a SLURM node list: 'gpu[03-05,07],cpu1' -> 'gpu03'."""
-    head = nodelist.split(",")[0]
-    if "[" in head:
-        prefix, rest = head.split("[", 1)
-        head = prefix + rest.split("-")[0].rstrip("]")
-    return head
+    """First host of a SLURM node list, as `scontrol show hostnames` orders them:
+    'gpu[03-05,07],cpu1' -> 'gpu03', 'rack[2-3]-n[1-4]' -> 'rack2-n1'."""
+    first = re.split(r",(?![^\[]*\])", nodelist)[0]  # a comma inside brackets does not split
+    return re.sub(r"\[(\d+)[^\]]*\]", r"\1", first)  # each range starts at its first value
+
+
+def slurm_tasks_per_node(counts: str) -> list[int]:
+    """SLURM's compressed task counts, one per node: '4(x2),3' -> [4, 4, 3]."""
+    per_node = []
+    for part in counts.split(","):
+        n, _, repeat = part.partition("(x")
+        per_node += [int(n)] * int(repeat.rstrip(")") or 1)
+    return per_node
 
 
 def find_world() -> World:
@@ -77,12 +85,16 @@ def find_world() -> World:
         size = int(env["WORLD_SIZE"])
         return World(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), size,
                      int(env.get("LOCAL_WORLD_SIZE", size)))
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        env.setdefault("MASTER_ADDR", slurm_first_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")))
+    # Only inside a step that srun launched: an sbatch script itself also sees SLURM_PROCID=0
+    # and SLURM_NTASKS=N, but no peer would ever join it.
+    if "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        # rank 0 runs on the step's first node, which need not be the job's first
+        nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        env.setdefault("MASTER_ADDR", slurm_first_host(nodes))
         env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
-        local_size = int(env.get("SLURM_NTASKS_PER_NODE", env["SLURM_NTASKS"]).split("(")[0])
+        per_node = slurm_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", env["SLURM_NTASKS"]))
         return World(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)),
-                     int(env["SLURM_NTASKS"]), local_size)
+                     int(env["SLURM_NTASKS"]), per_node[int(env.get("SLURM_NODEID", 0))])
     return World()
 
 

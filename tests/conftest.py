@@ -13,6 +13,10 @@ sys.path.insert(0, str(REPO / "tests"))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long training or several processes (CI runs them)")
+    config.addinivalue_line("markers", "multihost: two hosts as network namespaces joined by a veth "
+                                       "pair (needs root and iproute2; skips without them)")
+    config.addinivalue_line("markers", "slurm: runs srun on a local SLURM cluster "
+                                       "(needs root, slurm-wlm and munge; skips without them)")
     torch.set_num_threads(1)
 
 
