@@ -36,6 +36,7 @@ class Config:
     out_dir: str = "out"                    # checkpoints, config.json, metrics.jsonl
     dataset: str = "shakespeare_char"       # a folder under data/ with a prepare.py
     data_dir: str = ""                      # where train.bin/val.bin/meta.json live; "" = data/<dataset>
+    prepare_input: str = ""                 # a local text file for prepare.py instead of a download
     init_from: str = "scratch"              # "scratch", or "resume" (a checkpoint must exist)
     resume: str = "auto"                    # "auto" (out_dir/last.pt if present), "never", or a checkpoint path
     eval_interval: int = 250                # optimizer steps between evals (and checkpoints)

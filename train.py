@@ -159,7 +159,8 @@ def ensure_dataset(cfg: Config, world: World) -> dict:
     """Each host's local rank 0 prepares missing data; every rank waits, then reads meta.json."""
     data_dir = dataset_dir(cfg)
     if not (data_dir / "meta.json").exists() and world.local_rank == 0:
-        importlib.import_module(f"data.{cfg.dataset}.prepare").prepare(out_dir=str(data_dir))
+        local_input = {"input_path": cfg.prepare_input} if cfg.prepare_input else {}
+        importlib.import_module(f"data.{cfg.dataset}.prepare").prepare(out_dir=str(data_dir), **local_input)
     if world.size > 1:
         dist.barrier()
     try:
@@ -199,8 +200,8 @@ def collective_failures_explained(world: World, cfg: Config, where):
         raise LaunchError(
             f"rank {world.rank} on {socket.gethostname()}, {where()}: a collective timed out or "
             f"failed ({str(e).splitlines()[0][:300]}). A peer process died or the network between "
-            f"hosts is down (dist_timeout={cfg.dist_timeout:g}s). The last checkpoint is "
-            f"{cfg.out_dir}/last.pt on rank 0's host: relaunch with resume=auto to continue.") from None
+            f"hosts is down (dist_timeout={cfg.dist_timeout:g}s). The last checkpoint is last.pt in "
+            f"rank 0's out_dir, on rank 0's host: relaunch with resume=auto to continue.") from None
 
 
 class StopSignal:
