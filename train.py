@@ -502,9 +502,15 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
 def join_process_group(cfg: Config, world: World, backend: str):
     """init_process_group, with a message that says what to check when peers never come."""
     address = f"{os.environ.get('MASTER_ADDR', '(MASTER_ADDR unset)')}:{os.environ.get('MASTER_PORT', '(MASTER_PORT unset)')}"
+    timeout = timedelta(seconds=cfg.dist_timeout)
     try:
-        dist.init_process_group(backend, rank=world.rank, world_size=world.size,
-                                timeout=timedelta(seconds=cfg.dist_timeout))
+        store, _, _ = next(dist.rendezvous("env://", world.rank, world.size, timeout=timeout))
+        # torchrun restarts a failed group against the same store, where the previous attempt's
+        # addresses linger: a new rank could read a dead peer's and fail. A prefix per attempt
+        # keeps each attempt's keys apart.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
+                                rank=world.rank, world_size=world.size, timeout=timeout)
     except (RuntimeError, ValueError) as e:  # torch's DistError family is RuntimeError
         raise LaunchError(
             f"rank {world.rank} on {socket.gethostname()} could not form the process group of "
