@@ -24,6 +24,8 @@ FORMAT = 1
 
 def link_or_copy(src: Path, dst: Path):
     """Point `dst` at `src`'s bytes: a hard link costs no second write; else copy."""
+    if dst.exists() and os.path.samefile(src, dst):
+        return  # already one file; and rename() between two links of one file does nothing
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     try:
         os.link(src, tmp)
@@ -34,10 +36,17 @@ def link_or_copy(src: Path, dst: Path):
 
 
 def save(state: dict, out_dir: Path, best: bool):
-    """Write last.pt atomically (temporary file, fsync, rename); make best.pt the same bytes if best."""
-    atomic_write(out_dir / "last.pt", lambda f: torch.save(state, f))
+    """Write last.pt atomically (temporary file, fsync, rename); make best.pt the same bytes if best.
+
+    The last.pt it replaces stays as previous.pt, so one good checkpoint survives even if
+    last.pt is later damaged (a disk fault, a copy cut short).
+    """
+    last = out_dir / "last.pt"
+    if last.exists():
+        link_or_copy(last, out_dir / "previous.pt")
+    atomic_write(last, lambda f: torch.save(state, f))
     if best:
-        link_or_copy(out_dir / "last.pt", out_dir / "best.pt")
+        link_or_copy(last, out_dir / "best.pt")
 
 
 def remove_stale_temporaries(out_dir: Path) -> list:
@@ -86,13 +95,17 @@ def find(cfg: Config):
     return None
 
 
+class UnreadableCheckpoint(ConfigError):
+    """The file is not a checkpoint torch can read as plain data."""
+
+
 def load(path: Path, model_args: dict, cfg: Config) -> dict:
     """Read and check a checkpoint against the run that wants to continue it."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, random bytes, a pickle that is not plain data...
-        raise ConfigError(f"cannot read checkpoint {path}: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         version = ckpt.get("format") if isinstance(ckpt, dict) else None
         raise ConfigError(f"{path}: checkpoint format {version} is not {FORMAT}, "
@@ -108,6 +121,22 @@ def load(path: Path, model_args: dict, cfg: Config) -> dict:
                 f"{getattr(cfg, name)} would change the data order: keep {name} or use --resume=never")
     ckpt["path"] = str(path)
     return ckpt
+
+
+def load_for_resume(cfg: Config, model_args: dict):
+    """The checkpoint this run continues from, or None; with resume=auto, a damaged
+    last.pt falls back to previous.pt, saying so."""
+    path = find(cfg)
+    if path is None:
+        return None
+    try:
+        return load(path, model_args, cfg)
+    except UnreadableCheckpoint as e:
+        previous = path.with_name("previous.pt")
+        if cfg.resume != "auto" or not previous.exists():
+            raise
+        print(f"warning: {e}\nresuming from {previous}, the checkpoint before it", flush=True)
+        return load(previous, model_args, cfg)
 
 
 def _pack(obj, tensors: list):

@@ -181,8 +181,8 @@ def check_dataset_reachable(cfg: Config):
 # -----------------------------------------------------------------------------
 # failures and signals
 
-class LaunchError(RuntimeError):
-    """A distributed failure the user must act on: reported in a few lines, exit status 1."""
+class RunError(RuntimeError):
+    """A failed run the user must act on (a lost peer, a diverged loss): a message, exit status 1."""
 
 
 COMM_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "socket", "peer", "closed")
@@ -194,14 +194,20 @@ def collective_failures_explained(world: World, cfg: Config, where):
     try:
         yield
     except RuntimeError as e:
-        if world.size == 1 or isinstance(e, LaunchError) or not (
+        if world.size == 1 or isinstance(e, RunError) or not (
                 isinstance(e, dist.DistError) or any(w in str(e).lower() for w in COMM_WORDS)):
             raise
-        raise LaunchError(
+        raise RunError(
             f"rank {world.rank} on {socket.gethostname()}, {where()}: a collective timed out or "
             f"failed ({str(e).splitlines()[0][:300]}). A peer process died or the network between "
             f"hosts is down (dist_timeout={cfg.dist_timeout:g}s). The last checkpoint is last.pt in "
             f"rank 0's out_dir, on rank 0's host: relaunch with resume=auto to continue.") from None
+
+
+def diverged(what: str, cfg: Config) -> str:
+    return (f"{what}. Likely causes: a learning rate too high (learning_rate={cfg.learning_rate:g}: "
+            f"try a smaller one or a longer warmup), float16 overflow (try --dtype=bfloat16), or "
+            f"bad data. Nothing was saved from this state: last.pt holds the last good step.")
 
 
 class StopSignal:
@@ -378,9 +384,7 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
     step, best_val, ckpt, error = 0, float("inf"), None, None
     if world.is_master:  # only rank 0 reads: other hosts need no copy of the file
         try:
-            path = checkpoint.find(cfg)
-            if path is not None:
-                ckpt = checkpoint.load(path, model_args, cfg)
+            ckpt = checkpoint.load_for_resume(cfg, model_args)
         except ConfigError as e:
             error = str(e)
     if world.size > 1:
@@ -423,16 +427,27 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
             log.say(f"resuming from {resumed_from} at step {step}")
 
     def save_checkpoint(val_loss, best: bool):
+        # Weights are the same on every rank, so every rank makes the same decision.
+        if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
+            raise RunError(diverged(f"the weights hold NaN or inf at step {step}", cfg))
         rng = checkpoint.gather_rng_states(world.size, world.group)
+        saved, failure = torch.tensor([1]), "see rank 0's log"
         if world.is_master:
             state = dict(format=checkpoint.FORMAT, model=raw_model.state_dict(),
                          optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), step=step,
                          tokens_seen=step * tokens_per_step, val_loss=val_loss, best_val_loss=best_val,
                          config=cfg.to_dict(), model_args=model_args, loader=loader.state_dict(),
                          rng=rng, world_size=world.size)
-            checkpoint.save(state, out_dir, best)
-        if world.size > 1:
-            dist.barrier(group=world.group)
+            try:
+                checkpoint.save(state, out_dir, best)
+            except (OSError, RuntimeError) as e:  # a full disk surfaces as either
+                saved[0], failure = 0, str(e).splitlines()[0]
+        if world.size > 1:  # also the barrier that keeps ranks from running ahead of the write
+            dist.all_reduce(saved, op=dist.ReduceOp.MIN, group=world.group)
+        if not saved.item():
+            raise RunError(f"rank 0 could not write a checkpoint at step {step} ({failure}). The "
+                           f"previous last.pt is intact: free disk space or choose another out_dir, "
+                           f"then relaunch with resume=auto.")
 
     val_loss, t_last, last_log_step, stopped = None, time.time(), step, False
     with StopSignal() as stop, collective_failures_explained(world, cfg, lambda: f"step {step}"):
@@ -442,6 +457,8 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
                 losses = {s: evaluate(eval_model, *eval_sets[s], cfg, world, device, autocast)
                           for s in eval_sets}
                 val_loss = losses["val"]
+                if not math.isfinite(val_loss):
+                    raise RunError(diverged(f"the validation loss is {val_loss} at step {step}", cfg))
                 improved = val_loss < best_val
                 best_val = min(best_val, val_loss)
                 log.log({"step": step, "train_eval_loss": losses["train"], "val_loss": val_loss,
@@ -479,6 +496,8 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
                     dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
                     step_loss /= world.size
                 loss_value = step_loss.item()
+                if not math.isfinite(loss_value):
+                    raise RunError(diverged(f"the training loss is {loss_value} at step {step}", cfg))
                 elapsed, t_last = time.time() - t_last, time.time()
                 steps_done, last_log_step = step - last_log_step, step
                 record = {"step": step, "loss": loss_value, "lr": lr,
@@ -512,7 +531,7 @@ def join_process_group(cfg: Config, world: World, backend: str):
         dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
                                 rank=world.rank, world_size=world.size, timeout=timeout)
     except (RuntimeError, ValueError) as e:  # torch's DistError family is RuntimeError
-        raise LaunchError(
+        raise RunError(
             f"rank {world.rank} on {socket.gethostname()} could not form the process group of "
             f"{world.size} ranks at {address} within dist_timeout={cfg.dist_timeout:g}s "
             f"({str(e).splitlines()[0][:300]}). Check that every host started its ranks with the "
@@ -531,7 +550,7 @@ def check_group(world: World, device: torch.device, backend: str):
     dist.all_reduce(probe)
     expected = world.size * (world.size + 1) / 2
     if probe.item() != expected:
-        raise LaunchError(f"the startup all-reduce over {backend} gave {probe.item()}, not "
+        raise RunError(f"the startup all-reduce over {backend} gave {probe.item()}, not "
                           f"{expected}: the connection between ranks is broken")
 
 
@@ -588,7 +607,7 @@ def cli(argv=None):
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except LaunchError as e:
+    except RunError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     if result["stopped"]:  # like any process ended by SIGTERM, but only after saving

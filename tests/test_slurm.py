@@ -13,7 +13,7 @@ import train
 from harness import REPO, child_env, metrics, tiny_args
 from slurm_cluster import SlurmCluster, missing
 
-EXPECTED_FILES = ["best.pt", "config.json", "last.pt", "meta.json", "metrics.jsonl"]
+EXPECTED_FILES = ["best.pt", "config.json", "last.pt", "meta.json", "metrics.jsonl", "previous.pt"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,171 @@
+"""Broken files and runaway numbers: one clear message, and no good file overwritten."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import checkpoint
+import train
+from config import ConfigError, resolve
+from harness import REPO, child_env, tiny_args
+
+
+def run(data_dir, out_dir, **overrides):
+    return train.main(resolve(tiny_args(data_dir, out_dir, **overrides)))
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def trained(char_data, tmp_path_factory):
+    """A finished 10-step run with last.pt (step 10) and previous.pt (step 5)."""
+    out = tmp_path_factory.mktemp("trained")
+    run(char_data, out, max_iters=10, eval_interval=5)
+    return out
+
+
+def fresh_copy(trained, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    return out
+
+
+def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint(char_data, tmp_path,
+                                                                                 monkeypatch):
+    # a hook outside train.py's loop: the optimizer's 6th step leaves a NaN in the weights,
+    # as an overflow would
+    configure = train.GPT.configure_optimizers
+
+    def poisoned(model, *args, **kwargs):
+        optimizer = configure(model, *args, **kwargs)
+        step, calls = optimizer.step, []
+
+        def poisoned_step(*a, **k):
+            result = step(*a, **k)
+            calls.append(1)
+            if len(calls) == 6:
+                with torch.no_grad():
+                    model.transformer.wte.weight[0, 0] = float("nan")
+            return result
+
+        optimizer.step = poisoned_step
+        return optimizer
+
+    monkeypatch.setattr(train.GPT, "configure_optimizers", poisoned)
+    with pytest.raises(train.RunError, match=r"training loss is nan at step 7\..*learning_rate=0.003"):
+        run(char_data, tmp_path, max_iters=20, eval_interval=4)
+    ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert ckpt["step"] == 4 and all(torch.isfinite(w).all() for w in ckpt["model"].values())
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random bytes"])
+def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained, tmp_path, char_data,
+                                                                         capsys, damage):
+    out = fresh_copy(trained, tmp_path)
+    last = out / "last.pt"
+    data = last.read_bytes()
+    last.write_bytes(data[: len(data) // 2] if damage == "truncated" else os.urandom(len(data)))
+    result = run(char_data, out, max_iters=10, eval_interval=5, resume="auto")
+    printed = capsys.readouterr().out
+    assert f"cannot read checkpoint {last}" in printed and "previous.pt" in printed
+    assert "resuming from" in printed and "at step 5" in printed
+    assert result["step"] == 10
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("missing", "nothing to resume from"),
+    ("random bytes", "cannot read checkpoint"),
+    ("other shape", "holds another model shape"),
+    ("unknown format", "checkpoint format 99 is not 1"),
+])
+def test_bad_checkpoints_are_clear_errors_naming_the_file(trained, tmp_path, problem, message):
+    out = fresh_copy(trained, tmp_path)
+    path = tmp_path / "given.pt"
+    overrides = {}
+    if problem == "random bytes":
+        path.write_bytes(os.urandom(4096))
+    elif problem == "other shape":
+        shutil.copy(out / "last.pt", path)
+        overrides = {"n_embd": 64}
+    elif problem == "unknown format":
+        ckpt = torch.load(out / "last.pt", weights_only=True)
+        torch.save({**ckpt, "format": 99}, path)
+    proc = cli(*tiny_args(data_dir_of(trained), out, resume=str(path), **overrides))
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and str(path) in proc.stderr and "Traceback" not in proc.stderr
+
+
+def data_dir_of(out_dir):
+    return json.loads((out_dir / "config.json").read_text())["config"]["data_dir"]
+
+
+class Exploit:
+    """Unpickling this would run a shell command."""
+
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/gpt-train-pwned",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(trained, tmp_path):
+    out = fresh_copy(trained, tmp_path)
+    ckpt = torch.load(out / "last.pt", weights_only=True)
+    torch.save({**ckpt, "config": Exploit()}, out / "last.pt")
+    if os.path.exists("/tmp/gpt-train-pwned"):
+        os.remove("/tmp/gpt-train-pwned")
+    with pytest.raises(ConfigError, match="cannot read checkpoint"):
+        checkpoint.load(out / "last.pt", {}, resolve([]))
+    assert not os.path.exists("/tmp/gpt-train-pwned")
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temporaries(trained, tmp_path,
+                                                                                   monkeypatch):
+    out = fresh_copy(trained, tmp_path)
+    before = (out / "last.pt").read_bytes()
+    real_save = torch.save
+
+    def save_then_fail(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", save_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save({"step": 11}, out, best=False)
+    assert (out / "last.pt").read_bytes() == before
+    assert not list(out.glob(".*.tmp"))
+    # the same failure inside a run: a message, and the run's last good checkpoint stays
+    with pytest.raises(train.RunError, match="could not write a checkpoint at step 12.*No space left"):
+        run(data_dir_of(trained), out, max_iters=12, eval_interval=12, resume="auto")
+    assert (out / "last.pt").read_bytes() == before
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_a_full_disk_leaves_the_previous_checkpoint_loadable(trained, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    size = (trained / "last.pt").stat().st_size
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 2 + 65536}", "tmpfs",
+                              str(disk)], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        shutil.copy(trained / "last.pt", disk / "last.pt")
+        big = torch.load(disk / "last.pt", weights_only=True)
+        big["padding"] = torch.zeros(size // 2, dtype=torch.uint8)  # the new one cannot fit
+        with pytest.raises((OSError, RuntimeError)):  # torch's zip writer reports it as RuntimeError
+            checkpoint.save(big, disk, best=False)
+        assert torch.load(disk / "last.pt", weights_only=True)["step"] == 10
+        assert not list(disk.glob(".*.tmp"))
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
