@@ -11,6 +11,7 @@ control group, and each rank briefly holds a second copy of it in memory.
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -32,7 +33,8 @@ def link_or_copy(src: Path, dst: Path):
         os.replace(tmp, dst)
     except OSError:
         tmp.unlink(missing_ok=True)
-        atomic_write(dst, lambda f: f.write(src.read_bytes()))
+        with open(src, "rb") as source:  # streamed: a checkpoint can be gigabytes
+            atomic_write(dst, lambda f: shutil.copyfileobj(source, f))
 
 
 def save(state: dict, out_dir: Path, best: bool):

@@ -301,19 +301,20 @@ def accumulate_gradients(model, loader, accum: int, autocast, scaler) -> torch.T
 class Logger:
     """Rank 0's voice: a tqdm bar on a terminal, plain lines otherwise, metrics.jsonl, wandb."""
 
-    def __init__(self, cfg: Config, start_step: int, enabled: bool):
+    def __init__(self, cfg: Config, resumed_step, enabled: bool):
         self.enabled = enabled
         self.bar = self.wandb = None
         if not enabled:
             return
         self.metrics = Path(cfg.out_dir) / "metrics.jsonl"
-        if self.metrics.exists():  # a resumed run re-logs the steps after its checkpoint
-            kept = [line for line in self.metrics.read_text().splitlines()
-                    if line and json.loads(line)["step"] <= start_step]
+        if self.metrics.exists():  # a fresh run starts a new log; a resumed one drops the
+            # steps after its checkpoint, which it is about to run again
+            kept = [line for line in self.metrics.read_text().splitlines() if resumed_step is not None
+                    and line and json.loads(line)["step"] <= resumed_step]
             atomic_write(self.metrics, lambda f: f.write("".join(l + "\n" for l in kept).encode()))
         if sys.stdout.isatty():
             from tqdm import tqdm
-            self.bar = tqdm(total=cfg.max_iters, initial=start_step, dynamic_ncols=True)
+            self.bar = tqdm(total=cfg.max_iters, initial=resumed_step or 0, dynamic_ncols=True)
         if cfg.wandb_log:
             import wandb
             self.wandb = wandb.init(project=cfg.wandb_project, config=cfg.to_dict(), dir=cfg.out_dir,
@@ -348,8 +349,8 @@ class Logger:
 # -----------------------------------------------------------------------------
 # the run
 
-def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, backend: str) -> dict:
-    accum = accumulation_steps(cfg, world)
+def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, backend: str,
+          accum: int) -> dict:
     meta = ensure_dataset(cfg, world)
     data_dir = dataset_dir(cfg)
     out_dir = Path(cfg.out_dir)
@@ -411,7 +412,7 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
     if world.size > 1:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    log = Logger(cfg, start_step, world.is_master)
+    log = Logger(cfg, start_step if resumed_from else None, world.is_master)
     if world.is_master:
         run_info = dict(torch=torch.__version__, python=sys.version.split()[0], world_size=world.size,
                         device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
@@ -561,7 +562,7 @@ def main(cfg: Config) -> dict:
     dtype = pick_dtype(cfg, device)
     backend = pick_backend(cfg, device)
     check_dataset_reachable(cfg)
-    accumulation_steps(cfg, world)  # fail on every rank before anyone waits for a peer
+    accum = accumulation_steps(cfg, world)  # fail on every rank before anyone waits for a peer
     if device.type == "cpu":  # ranks on one host share its cores
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         torch.set_num_threads(max(1, cores // world.local_size))
@@ -575,7 +576,7 @@ def main(cfg: Config) -> dict:
     try:
         with collective_failures_explained(world, cfg, lambda: "before the first step"):
             check_group(world, device, backend)
-            return train(cfg, world, device, dtype, backend)
+            return train(cfg, world, device, dtype, backend, accum)
     finally:
         if dist.is_initialized():
             # DDP sits in reference cycles; if it outlives the group, gloo's threads can

@@ -3,12 +3,13 @@
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch.multiprocessing as mp
+
+from train_spawn import free_port  # noqa: F401  (the tests' port picker too)
 
 REPO = Path(__file__).resolve().parent.parent
 AUDIT_HOOK = '''
@@ -70,11 +71,6 @@ def tiny_args(data_dir: Path, out_dir: Path, **overrides) -> list[str]:
     cfg.update(overrides)
     return [f"--{k}={v}" for k, v in cfg.items()]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env(audit_dir: Path = None, watch: Path = None, **extra) -> dict:

@@ -95,3 +95,9 @@ def test_wandb_logs_offline_when_asked(char_data, tmp_path, monkeypatch):
     run(char_data, tmp_path, wandb_log=True, max_iters=4, eval_interval=4)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_a_fresh_run_in_a_used_out_dir_starts_a_new_log(char_data, tmp_path):
+    run(char_data, tmp_path, max_iters=4, eval_interval=2)
+    run(char_data, tmp_path, max_iters=4, eval_interval=2, resume="never")
+    assert [r["step"] for r in metrics(tmp_path) if "val_loss" in r] == [0, 2, 4]
