@@ -19,6 +19,7 @@ import ast
 import dataclasses
 import difflib
 import math
+import traceback
 import types
 import typing
 from dataclasses import dataclass
@@ -97,10 +98,15 @@ def _type_name(typ) -> str:
     return typ.__name__
 
 
+def _show(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 5] + "[...]"
+
+
 def _unknown_name(name: str) -> ConfigError:
     close = difflib.get_close_matches(name, list(FIELD_TYPES), n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'?" if close else "see the table in README.md"
-    return ConfigError(f"unknown config name '{name}': {hint}")
+    return ConfigError(f"unknown config name {_show(name)}: {hint}")
 
 
 def check_type(name: str, value):
@@ -116,10 +122,12 @@ def check_type(name: str, value):
                 return value
             continue
         if allowed is float and isinstance(value, (int, float)):
+            if not (-1e308 < value < 1e308):  # inf, nan, or an int too big for a float
+                raise ConfigError(f"config '{name}' must be a finite number, got {_show(value)}")
             return float(value)
         if allowed in (int, str) and isinstance(value, allowed):
             return value
-    raise ConfigError(f"config '{name}' must be {_type_name(typ)}, got {value!r} "
+    raise ConfigError(f"config '{name}' must be {_type_name(typ)}, got {_show(value)} "
                       f"({type(value).__name__})")
 
 
@@ -150,14 +158,17 @@ def load_file(path: str) -> dict:
         exec(compile(source, path, "exec"), namespace)
     except SyntaxError as e:
         raise ConfigError(f"{path}, line {e.lineno}: syntax error: {e.msg}") from None
-    except Exception as e:
-        raise ConfigError(f"{path}: {type(e).__name__}: {e}") from None
+    except (Exception, SystemExit) as e:  # a config file may not end the program
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
+        where = f"{path}, line {lines[-1]}" if lines else path
+        raise ConfigError(f"{where}: {type(e).__name__}: {e}") from None
     skip = (types.ModuleType, types.FunctionType, type)
     return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, skip)}
 
 
 def validate(cfg: Config) -> Config:
-    """Range checks that do not depend on the world size or the device."""
+    """Range checks that do not depend on the world size or the device (train.py checks
+    global_batch_size against batch_size x world size once it knows the world)."""
     def need(ok: bool, msg: str):
         if not ok:
             raise ConfigError(msg)
@@ -178,9 +189,6 @@ def validate(cfg: Config) -> Config:
          f"lr_decay_iters must be positive or None, got {cfg.lr_decay_iters}")
     need(0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1, f"beta1/beta2 must be in [0, 1)")
     need(cfg.dist_timeout > 0, f"dist_timeout must be positive seconds, got {cfg.dist_timeout}")
-    need(cfg.global_batch_size % cfg.batch_size == 0,
-         f"global_batch_size ({cfg.global_batch_size}) must be a multiple of batch_size "
-         f"({cfg.batch_size}), e.g. {cfg.batch_size * max(1, round(cfg.global_batch_size / cfg.batch_size))}")
     for name, choices in CHOICES.items():
         need(getattr(cfg, name) in choices, f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
     need(cfg.resume in ("auto", "never") or Path(cfg.resume).suffix == ".pt",

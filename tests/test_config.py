@@ -50,7 +50,6 @@ def test_wrong_type_in_a_file_names_the_key(tmp_path):
     ("--dropout=1.0", "dropout must be in"),
     ("--block_size=0", "block_size must be positive"),
     ("--dtype=float8", "dtype must be one of"),
-    ("--global_batch_size=30", "multiple of batch_size"),
 ])
 def test_values_are_range_checked(arg, expected):
     with pytest.raises(ConfigError, match=expected):
