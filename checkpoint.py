@@ -11,6 +11,7 @@ control group, and each rank briefly holds a second copy of it in memory.
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -97,29 +98,54 @@ def find(cfg: Config):
     return None
 
 
+REQUIRED = ("model", "optimizer", "scaler", "step", "best_val_loss", "config", "model_args", "loader",
+            "rng", "world_size")
+
+
 class UnreadableCheckpoint(ConfigError):
     """The file is not a checkpoint torch can read as plain data."""
 
 
+def read(path: Path):
+    """torch.load with weights_only=True: tensors and plain values only, never code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        reason = ("it is damaged, or holds objects that would run code when loaded, which "
+                  "weights_only=True refuses")
+    except (EOFError, RuntimeError) as e:
+        reason = ("it is truncated or not a torch checkpoint at all" if isinstance(e, EOFError)
+                  or "zip archive" in str(e) else f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    except Exception as e:  # nothing in a bad file may end in a traceback
+        reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+    raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {reason}")
+
+
 def load(path: Path, model_args: dict, cfg: Config) -> dict:
     """Read and check a checkpoint against the run that wants to continue it."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, random bytes, a pickle that is not plain data...
-        raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {type(e).__name__}: "
-                                   f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    ckpt = read(path)
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         version = ckpt.get("format") if isinstance(ckpt, dict) else None
         raise ConfigError(f"{path}: checkpoint format {version} is not {FORMAT}, "
                           f"which this train.py reads")
+    missing = [k for k in REQUIRED if k not in ckpt]
+    if missing or not isinstance(ckpt["model_args"], dict) or not isinstance(ckpt["config"], dict):
+        raise ConfigError(f"{path} lacks {missing or 'a valid model_args/config'}: it was not "
+                          f"written by this train.py")
+    if ckpt["model_args"].get("vocab_size") != model_args["vocab_size"]:
+        raise ConfigError(
+            f"{path} was trained on a vocabulary of {ckpt['model_args'].get('vocab_size')} tokens, "
+            f"but the dataset now has {model_args['vocab_size']} (its meta.json): resume with the "
+            f"data it was trained on (dataset={ckpt['config'].get('dataset')!r}, "
+            f"data_dir={ckpt['config'].get('data_dir')!r}) or start afresh with --resume=never")
     diff = {k: (ckpt["model_args"].get(k), v) for k, v in model_args.items()
             if k != "dropout" and ckpt["model_args"].get(k) != v}
     if diff:
         raise ConfigError(f"{path} holds another model shape (checkpoint, now): {diff}")
     for name in ("global_batch_size", "seed"):
-        if ckpt["config"][name] != getattr(cfg, name):
+        if ckpt["config"].get(name) != getattr(cfg, name):
             raise ConfigError(
-                f"{path} was trained with {name}={ckpt['config'][name]}; resuming with "
+                f"{path} was trained with {name}={ckpt['config'].get(name)}; resuming with "
                 f"{getattr(cfg, name)} would change the data order: keep {name} or use --resume=never")
     ckpt["path"] = str(path)
     return ckpt

@@ -26,6 +26,8 @@ import socket
 import sys
 import threading
 import time
+import traceback
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 from config import Config, ConfigError, resolve
-from data.common import atomic_write, load_meta
+from data.common import atomic_write, check_token_files, load_meta
 from loader import ShardedTokenLoader, eval_starts, open_tokens, windows_to_batch
 from model import GPT, GPTConfig
 
@@ -105,7 +107,13 @@ def pick_device(cfg: Config, world: World) -> torch.device:
         if world.size == 1 and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    device = torch.device(cfg.device)
+    try:
+        device = torch.device(cfg.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device {cfg.device!r} is not one this trainer runs on: use auto, cpu, "
+                          f"cuda, cuda:N or mps")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device=cuda but CUDA is not available here: use --device=cpu")
@@ -123,7 +131,23 @@ def pick_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     dtype = DTYPES[cfg.dtype]
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("this GPU cannot run bfloat16: use --dtype=float16")
+    if dtype != torch.float32 and not autocast_runs(device, dtype):
+        raise ConfigError(f"dtype={cfg.dtype} cannot run on {device} here (autocast does not support "
+                          f"it): use --dtype=float32 or --dtype=auto")
     return dtype
+
+
+def autocast_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a matmul under autocast on `device` really computes in `dtype`. Where the dtype
+    is unsupported, autocast warns and turns itself off rather than failing."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.autocast(device.type, dtype=dtype):
+                a = torch.ones(2, 2, device=device)
+                return (a @ a).dtype == dtype
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def pick_backend(cfg: Config, device: torch.device) -> str:
@@ -155,27 +179,55 @@ def dataset_dir(cfg: Config) -> Path:
     return Path(cfg.data_dir) if cfg.data_dir else REPO / "data" / cfg.dataset
 
 
+def read_dataset(cfg: Config) -> dict:
+    """meta.json, checked against the token files and against block_size."""
+    data_dir = dataset_dir(cfg)
+    try:
+        meta = load_meta(data_dir)
+        check_token_files(data_dir, meta)
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    for split, needed in (("train", 2 * cfg.block_size), ("val", cfg.block_size + 1)):
+        if meta[f"{split}_tokens"] < needed:  # train: a window at any epoch offset
+            raise ConfigError(f"block_size ({cfg.block_size}) is too long for the {split} split of "
+                              f"{data_dir} ({meta[f'{split}_tokens']:,} tokens; it needs {needed:,}): "
+                              f"use a smaller --block_size or more data")
+    return meta
+
+
+def check_dataset(cfg: Config):
+    """Fail before any process group exists when the data is broken, or missing and cannot be made."""
+    data_dir = dataset_dir(cfg)
+    script = REPO / "data" / cfg.dataset / "prepare.py"
+    if (data_dir / "meta.json").exists():
+        read_dataset(cfg)
+    elif not script.exists():
+        raise ConfigError(f"no dataset in {data_dir} (meta.json missing) and no {script} to "
+                          f"prepare it: check --dataset / --data_dir")
+
+
 def ensure_dataset(cfg: Config, world: World) -> dict:
-    """Each host's local rank 0 prepares missing data; every rank waits, then reads meta.json."""
+    """Each host's local rank 0 prepares missing data; every rank waits, then checks it. A check
+    that fails on one host (no shared disk) stops every rank, not only that host's."""
     data_dir = dataset_dir(cfg)
     if not (data_dir / "meta.json").exists() and world.local_rank == 0:
         local_input = {"input_path": cfg.prepare_input} if cfg.prepare_input else {}
         importlib.import_module(f"data.{cfg.dataset}.prepare").prepare(out_dir=str(data_dir), **local_input)
     if world.size > 1:
         dist.barrier()
+    meta, error = None, None
     try:
-        return load_meta(data_dir)
-    except (OSError, ValueError) as e:
-        raise ConfigError(str(e)) from None
-
-
-def check_dataset_reachable(cfg: Config):
-    """Fail before any process group exists when data is missing and cannot be made."""
-    data_dir = dataset_dir(cfg)
-    script = REPO / "data" / cfg.dataset / "prepare.py"
-    if not (data_dir / "meta.json").exists() and not script.exists():
-        raise ConfigError(f"no dataset in {data_dir} (meta.json missing) and no {script} to "
-                          f"prepare it: check --dataset / --data_dir")
+        meta = read_dataset(cfg)
+    except ConfigError as e:
+        error = str(e)
+    if world.size > 1:
+        failed = torch.tensor([int(error is not None)])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=world.group)
+        if failed.item() and error is None:
+            error = "the dataset check failed on another rank: see its message"
+    if error:
+        raise ConfigError(error)
+    return meta
 
 
 # -----------------------------------------------------------------------------
@@ -375,9 +427,6 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
     eval_sets = {}
     for split in ("train", "val"):
         tokens = open_tokens(data_dir / f"{split}.bin", meta["dtype"])
-        if len(tokens) <= cfg.block_size:
-            raise ConfigError(f"block_size ({cfg.block_size}) is longer than the {split} split "
-                              f"({len(tokens)} tokens): use a smaller --block_size")
         eval_sets[split] = (tokens, eval_starts(len(tokens), cfg.block_size, n_eval))
     # Each rank gets its own dropout stream, derived from the one seed.
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
@@ -561,7 +610,7 @@ def main(cfg: Config) -> dict:
     device = pick_device(cfg, world)
     dtype = pick_dtype(cfg, device)
     backend = pick_backend(cfg, device)
-    check_dataset_reachable(cfg)
+    check_dataset(cfg)
     accum = accumulation_steps(cfg, world)  # fail on every rank before anyone waits for a peer
     if device.type == "cpu":  # ranks on one host share its cores
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -602,15 +651,18 @@ def strip_local_rank(argv: list[str]) -> list[str]:
 
 
 def cli(argv=None):
+    """Exit 2 for a config or data problem, 1 for a failed run: one line saying what to do,
+    with the traceback only under --debug."""
     args = strip_local_rank(sys.argv[1:] if argv is None else list(argv))
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
     try:
         result = main(resolve(args))
-    except ConfigError as e:
+    except (ConfigError, RunError) as e:
+        if debug:
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except RunError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        sys.exit(2 if isinstance(e, ConfigError) else 1)
     if result["stopped"]:  # like any process ended by SIGTERM, but only after saving
         sys.exit(128 + signal.SIGTERM)
 

@@ -1,0 +1,236 @@
+"""Config, command-line and data mistakes: exit status 2 and one line saying what to do, the same
+on every rank, before the process group forms, with no traceback and no file touched.
+
+Each case runs train.cli as rank 0 and as rank 1 of a two-process world whose other rank never
+starts: an error raised after the process group began to form would instead wait out
+dist_timeout and end as a failed rendezvous (exit 1), so these tests also show where it fires.
+"""
+
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from harness import REPO, child_env, free_port, tiny_args
+
+
+@pytest.fixture(scope="module")
+def trained(char_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    train.main(train.resolve(tiny_args(char_data, out, max_iters=4, eval_interval=2)))
+    return out
+
+
+@pytest.fixture
+def copies(char_data, trained, tmp_path):
+    """A data folder and an out folder (with last.pt) of our own, free to damage."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    shutil.copytree(char_data, data)
+    shutil.copytree(trained, out)
+    return data, out
+
+
+def snapshot(*folders) -> dict:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for folder in folders for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def run_cli(args, monkeypatch, capsys, rank=0, world_size=1, port=None):
+    if world_size > 1:
+        for name, value in dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world_size,
+                                LOCAL_WORLD_SIZE=world_size, MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=port).items():
+            monkeypatch.setenv(name, str(value))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        train.cli(args)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- damage to data
+
+def rewrite_meta(data, **changes):
+    meta = json.loads((data / "meta.json").read_text())
+    meta.update(changes)
+    for key in [k for k, v in changes.items() if v is None]:
+        del meta[key]
+    (data / "meta.json").write_text(json.dumps(meta))
+
+
+def put_token(data, split, position, value):
+    tokens = np.memmap(data / f"{split}.bin", dtype=np.uint16, mode="r+")
+    tokens[position] = value
+    tokens.flush()
+
+
+def append_bytes(data, split, extra: bytes):
+    with open(data / f"{split}.bin", "ab") as f:
+        f.write(extra)
+
+
+def other_vocabulary(data):
+    from data.shakespeare_char.prepare import prepare
+    text = data.parent / "abc.txt"
+    text.write_text("abc cab bac\n" * 2000)
+    prepare(out_dir=str(data), input_path=str(text))
+
+
+def config_file_that_raises(data):
+    path = data.parent / "raises.py"
+    path.write_text("n_layer = 2\nn_head = 1 / 0\n")
+    return [str(path)]
+
+
+def config_file_with_a_syntax_error(data):
+    path = data.parent / "syntax.py"
+    path.write_text("n_layer = = 2\n")
+    return [str(path)]
+
+
+def cuda_without_bfloat16(data, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+
+
+def dtype_autocast_cannot_run(data, monkeypatch):
+    # CPU autocast does not do float64: it warns and turns itself off, as autocast does on
+    # a device without bfloat16 (older Macs)
+    monkeypatch.setitem(train.DTYPES, "bfloat16", torch.float64)
+
+
+# (id, extra args or a function of the data folder returning them, a damage(data, monkeypatch)
+#  to the data folder or to the environment, the expected message)
+CASES = [
+    ("unknown name", ["--n_layers=3"], None, r"unknown config name 'n_layers': did you mean 'n_layer'\?"),
+    ("wrong type", ["--batch_size=4.0"], None, r"config 'batch_size' must be int, got 4\.0 \(float\)"),
+    ("unparseable value", ["--learning_rate=3e-3e"], None,
+     r"config 'learning_rate' must be float, got '3e-3e' \(str\)"),
+    ("unparseable bool", ["--compile=yes"], None, r"config 'compile' must be bool, got 'yes'"),
+    ("override without a value", ["--n_layer"], None, r"write overrides as --n_layer=VALUE"),
+    ("neither file nor override", ["n_layer=3"], None, r"neither a config file \(\.py\) nor"),
+    ("missing config file", ["no/such/config.py"], None,
+     r"cannot read config file no/such/config\.py: No such file"),
+    ("config file that raises", config_file_that_raises, None,
+     r"raises\.py, line 2: ZeroDivisionError: division by zero"),
+    ("config file syntax error", config_file_with_a_syntax_error, None, r"syntax\.py, line 1: syntax error"),
+    ("n_embd and n_head", ["--n_embd=33"], None, r"n_embd \(33\) must be divisible by n_head \(2\)"),
+    ("zero layers", ["--n_layer=0"], None, r"n_layer must be positive, got 0"),
+    ("negative batch", ["--batch_size=-4"], None, r"batch_size must be positive, got -4"),
+    ("zero learning rate", ["--learning_rate=0"], None, r"learning_rate must be a positive number, got 0"),
+    ("negative learning rate", ["--learning_rate=-1e-3"], None,
+     r"learning_rate must be a positive number, got -0\.001"),
+    ("infinite number", ["--learning_rate=1e999"], None, r"'learning_rate' must be a finite number, got inf"),
+    ("global batch vs micro-batch", ["--global_batch_size=10", "--batch_size=3"], None,
+     r"global_batch_size \(10\) must be divisible by batch_size \(3\) x world size \(2\) = 6: "
+     r"try --global_batch_size=12"),
+    ("global batch vs world size", ["--global_batch_size=12"], None,
+     r"global_batch_size \(12\) must be divisible by batch_size \(4\) x world size \(2\) = 8: "
+     r"try --global_batch_size=16"),
+    ("block_size longer than val", ["--block_size=7000"], None,
+     r"block_size \(7000\) is too long for the val split of .* \(6,002 tokens; it needs 7,001\)"),
+    ("unknown dtype", ["--dtype=float8"], None, r"dtype must be one of .*got 'float8'"),
+    ("dtype the GPU cannot run", ["--device=cuda", "--dtype=bfloat16"], cuda_without_bfloat16,
+     r"this GPU cannot run bfloat16: use --dtype=float16"),
+    ("dtype autocast cannot run", ["--dtype=bfloat16"], dtype_autocast_cannot_run,
+     r"dtype=bfloat16 cannot run on cpu here"),
+    ("no CUDA", ["--device=cuda"], None, r"device=cuda but CUDA is not available here: use --device=cpu"),
+    ("unknown device", ["--device=tpu"], None, r"device 'tpu' is not one this trainer runs on"),
+    ("unknown backend", ["--backend=tcp"], None, r"backend must be one of .*got 'tcp'"),
+    ("backend missing from this build", ["--backend=mpi"], None,
+     r"backend 'mpi' is not available in this torch build: use gloo"),
+    ("nccl on CPU", ["--backend=nccl"], None, r"backend 'nccl' is not available|nccl needs CUDA"),
+    # data
+    ("no data and no prepare script", ["--dataset=nosuch"], lambda d, m: shutil.rmtree(d),
+     r"no dataset in .*data \(meta\.json missing\) and no .*data/nosuch/prepare\.py to prepare it"),
+    ("meta.json not JSON", [], lambda d, m: (d / "meta.json").write_text("{\"vocab_size\": "),
+     r"meta\.json is not valid JSON .*: prepare the dataset again"),
+    ("meta.json without vocab_size", [], lambda d, m: rewrite_meta(d, vocab_size=None),
+     r"meta\.json: vocab_size is None, which is missing or invalid"),
+    ("meta.json chars disagree", [], lambda d, m: rewrite_meta(d, chars="abc"),
+     r"meta\.json: a char vocabulary of 3 characters, but vocab_size"),
+    ("bin not whole tokens", [], lambda d, m: append_bytes(d, "train", b"\0"),
+     r"train\.bin is 108027 bytes, not a whole number of uint16 tokens"),
+    ("bin token count", [], lambda d, m: append_bytes(d, "val", b"\0\0"),
+     r"val\.bin holds 6,003 tokens, but meta\.json says 6,002"),
+    ("bin missing", [], lambda d, m: (d / "val.bin").unlink(),
+     r"val\.bin is missing, though meta\.json is there"),
+    ("token id beyond the vocabulary", [], lambda d, m: put_token(d, "train", 30_000, 65_535),
+     r"train\.bin: token id 65535 at position 30,000 is >= vocab_size"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_every_rank_exits_2_with_the_same_message_before_the_group_and_touches_nothing(
+        case, copies, monkeypatch, capsys):
+    name, extra, damage, message = case
+    data, out = copies
+    if damage is not None:
+        damage(data, monkeypatch)
+    if callable(extra):
+        extra = extra(data)
+    before = snapshot(data.parent)
+    args = tiny_args(data, out, resume="auto", dist_timeout=3) + extra
+    port = free_port()
+    results = []
+    for rank in (0, 1):
+        started = time.monotonic()
+        code, err = run_cli(args, monkeypatch, capsys, rank=rank, world_size=2, port=port)
+        results.append((code, err))
+        assert code == 2, f"rank {rank}: exit {code}\n{err}"
+        assert time.monotonic() - started < 3, "it waited for a peer: the check came too late"
+    (_, err0), (_, err1) = results
+    assert err0 == err1
+    assert err0.startswith("error: ") and err0.count("\n") == 1 and "Traceback" not in err0
+    assert re.search(message, err0), err0
+    assert snapshot(data.parent) == before
+
+
+def test_a_dataset_with_another_vocabulary_than_the_checkpoint_is_refused(copies, char_data, tmp_path,
+                                                                         monkeypatch, capsys):
+    _, out = copies
+    other = tmp_path / "other"
+    other_vocabulary(other)
+    before = snapshot(tmp_path)
+    code, err = run_cli(tiny_args(other, out, resume="auto"), monkeypatch, capsys)
+    assert code == 2 and "Traceback" not in err
+    assert f"{out / 'last.pt'} was trained on a vocabulary of" in err
+    assert "but the dataset now has 5" in err and f"data_dir={str(char_data)!r}" in err
+    assert "--resume=never" in err
+    assert snapshot(tmp_path) == before
+
+
+def launch_two_ranks(args, timeout=60):
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=child_env(RANK=r, WORLD_SIZE=2, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1",
+                                            MASTER_PORT=port))
+             for r in range(2)]
+    try:
+        return [(p.returncode, out, err) for p in procs for out, err in [p.communicate(timeout=timeout)]]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_two_launched_ranks_both_exit_2_and_debug_shows_the_traceback(char_data, tmp_path):
+    args = tiny_args(char_data, tmp_path / "out", dist_timeout=30) + ["--n_embd=33"]
+    started = time.monotonic()
+    quiet = launch_two_ranks(args)
+    assert time.monotonic() - started < 30  # nobody waited for a peer
+    for code, stdout, stderr in quiet:
+        assert code == 2, stderr
+        assert stderr == "error: n_embd (33) must be divisible by n_head (2)\n"
+    for code, stdout, stderr in launch_two_ranks(args + ["--debug"]):
+        assert code == 2
+        assert "Traceback (most recent call last)" in stderr and "config.py" in stderr
+        assert stderr.endswith("error: n_embd (33) must be divisible by n_head (2)\n")
+    assert not (tmp_path / "out").exists()
