@@ -4,20 +4,24 @@
     python sample.py --out_dir=out --start="ROMEO:" --num_samples=3 --max_new_tokens=300
     python sample.py --out_dir=out --start=FILE:prompt.txt --temperature=0   # greedy
 
-Loads best.pt (else last.pt) from out_dir with weights_only=True and rebuilds
-the tokenizer from the meta.json that train.py saved beside it. The same
---seed gives the same text. --temperature=0 picks the most likely token at
-every step; --top_k larger than the vocabulary is clamped to it.
+Loads best.pt (else last.pt, also when best.pt is damaged) from out_dir with
+weights_only=True and rebuilds the tokenizer from the meta.json that train.py
+saved beside it. The same --seed gives the same text. --temperature=0 picks
+the most likely token at every step (greedy); a negative temperature is an
+error. --top_k larger than the vocabulary is clamped to it (no filtering). A
+prompt with characters outside a character-level vocabulary is an error that
+lists them. Every bad input ends in one line on stderr and exit status 2.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
-from data.common import tokenizer_from_meta
+import checkpoint
+from checkpoint import UnreadableCheckpoint
+from data.common import load_meta, tokenizer_from_meta
 from model import GPT, GPTConfig
 
 
@@ -40,18 +44,35 @@ def fail(message: str):
 
 
 def load_model(out_dir: Path, device: torch.device) -> tuple:
-    for name in ("best.pt", "last.pt"):
-        path = out_dir / name
-        if path.exists():
-            break
-    else:
+    """The model from best.pt, else last.pt; a damaged file is reported and the next one tried."""
+    candidates = [out_dir / name for name in ("best.pt", "last.pt") if (out_dir / name).exists()]
+    if not candidates:
         fail(f"no best.pt or last.pt in {out_dir}: train first, or pass --out_dir")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    model = GPT(GPTConfig(**{**ckpt["model_args"], "dropout": 0.0}))
-    model.load_state_dict(ckpt["model"])
-    model.eval().to(device)
-    meta = json.loads((out_dir / "meta.json").read_text())
-    return model, meta, path, ckpt["step"]
+    for path in candidates:
+        try:
+            ckpt = checkpoint.read(path)
+            model = GPT(GPTConfig(**{**ckpt["model_args"], "dropout": 0.0}))
+            model.load_state_dict(ckpt["model"])
+            break
+        except UnreadableCheckpoint as e:
+            problem = str(e)
+        except Exception as e:  # plain data, but not a checkpoint of this repo's GPT
+            problem = f"{path} is not a GPT checkpoint of this repo ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
+        if path == candidates[-1]:
+            fail(problem)
+        print(f"warning: {problem}; trying {candidates[-1]}", file=sys.stderr)
+    meta_path = out_dir / "meta.json"
+    if not meta_path.is_file():
+        fail(f"{meta_path} is missing: train.py writes it beside the checkpoint; copy the dataset's "
+             f"meta.json there")
+    try:
+        meta = load_meta(out_dir)
+    except ValueError as e:
+        fail(str(e))
+    if meta["vocab_size"] != model.config.vocab_size:
+        fail(f"{meta_path} has a vocabulary of {meta['vocab_size']} tokens but {path} was trained "
+             f"with {model.config.vocab_size}: they come from different runs")
+    return model.eval().to(device), meta, path, ckpt["step"]
 
 
 def read_prompt(start: str) -> str:
@@ -59,7 +80,10 @@ def read_prompt(start: str) -> str:
         path = Path(start[5:])
         if not path.is_file():
             fail(f"prompt file {path} does not exist")
-        start = path.read_text(encoding="utf-8")
+        try:
+            start = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            fail(f"prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start})")
     if not start:
         fail("the prompt is empty: give --start=TEXT or a non-empty FILE:path")
     return start
@@ -69,20 +93,27 @@ def main(argv=None):
     args = parse_args(argv)
     if args.max_new_tokens <= 0:
         fail(f"--max_new_tokens must be positive, got {args.max_new_tokens}")
-    if args.temperature < 0:
+    if args.num_samples <= 0:
+        fail(f"--num_samples must be positive, got {args.num_samples}")
+    if args.temperature < 0 or args.temperature != args.temperature:
         fail(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k < 0:
+        fail(f"--top_k must be >= 0 (0 = no top-k filtering), got {args.top_k}")
     out_dir = Path(args.out_dir)
     if not out_dir.is_dir():
         fail(f"out_dir {out_dir} does not exist: train first (python train.py) or pass --out_dir")
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
-    model, meta, path, step = load_model(out_dir, device)
-    encode, decode = tokenizer_from_meta(meta)
     try:
+        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
+                              if args.device == "auto" else args.device)
+    except RuntimeError:
+        fail(f"--device={args.device} is not a device torch knows: use auto, cpu, cuda, cuda:N or mps")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        fail("--device=cuda but CUDA is not available here: use --device=cpu")
+    model, meta, path, step = load_model(out_dir, device)
+    try:
+        encode, decode = tokenizer_from_meta(meta)
         prompt = encode(read_prompt(args.start))
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:  # characters outside a char vocabulary; no GPT-2 BPE
         fail(str(e))
     print(f"# {path} (step {step}), seed {args.seed}", file=sys.stderr)
 

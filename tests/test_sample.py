@@ -1,10 +1,14 @@
 """sample.py on a checkpoint from a short run."""
 
+import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
+import sample as sample_script
 import train
 from config import resolve
 from harness import REPO, tiny_args
@@ -48,13 +52,77 @@ def test_prompt_from_a_file_and_greedy_decoding(trained, tmp_path):
     assert first == second and first.startswith("a fool ")
 
 
+def test_top_k_larger_than_the_vocabulary_is_clamped_to_no_filtering(trained):
+    args = [f"--out_dir={trained}", "--start=the", "--num_samples=2", "--max_new_tokens=40", "--seed=3"]
+    unfiltered = sample(*args, "--top_k=0")
+    huge = sample(*args, "--top_k=100000")
+    assert huge.returncode == 0, huge.stderr
+    assert huge.stdout == unfiltered.stdout
+    assert sample(*args, "--top_k=1").stdout != unfiltered.stdout  # top_k does act
+
+
+def write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--out_dir=/nonexistent/out"], "does not exist"),
-    (["--max_new_tokens=0"], "must be positive"),
-    (["--start=the king{}"], "not in the vocabulary"),
-    (["--temperature=-1"], "temperature must be >= 0"),
+    (["--out_dir=/nonexistent/out"], "out_dir /nonexistent/out does not exist: train first"),
+    (["--max_new_tokens=0"], "--max_new_tokens must be positive, got 0"),
+    (["--max_new_tokens=-5"], "--max_new_tokens must be positive, got -5"),
+    (["--num_samples=0"], "--num_samples must be positive, got 0"),
+    (["--start=the king{}é"], "characters not in the vocabulary: '{', '}', 'é'"),
+    (["--temperature=-1"], "--temperature must be >= 0 (0 = greedy), got -1.0"),
+    (["--temperature=nan"], "--temperature must be >= 0"),
+    (["--top_k=-3"], "--top_k must be >= 0 (0 = no top-k filtering), got -3"),
+    (["--device=tpu"], "--device=tpu is not a device torch knows"),
+    (["--start=FILE:/nonexistent/prompt.txt"], "prompt file /nonexistent/prompt.txt does not exist"),
+    (["--start="], "the prompt is empty"),
+    ([lambda tmp: f"--start=FILE:{write(tmp / 'empty.txt', b'')}"], "the prompt is empty"),
+    ([lambda tmp: f"--start=FILE:{write(tmp / 'latin1.txt', b'caf' + bytes([0xE9]))}"],
+     "is not UTF-8 text"),
 ])
-def test_bad_input_exits_with_a_clear_message(trained, args, message):
-    proc = sample(f"--out_dir={trained}", *args)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_bad_input_exits_with_a_clear_message(trained, tmp_path, capsys, args, message):
+    args = [a(tmp_path) if callable(a) else a for a in args]
+    code, err = sample_in_process(capsys, f"--out_dir={trained}", *args)
+    assert code == 2 and err.startswith("error: ") and message in err, err
+    assert err.count("\n") == 1
+
+
+def sample_in_process(capsys, *args):
+    """sample.main's exit status and stderr (in this process: no torch import to wait for)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        sample_script.main(list(args))
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def copy_run(trained, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    return out
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda out: (out / "best.pt").unlink() or (out / "last.pt").unlink(), "no best.pt or last.pt in"),
+    (lambda out: (out / "meta.json").unlink(), "meta.json is missing: train.py writes it"),
+    (lambda out: (out / "meta.json").write_text("[1, 2"), "meta.json is not valid JSON"),
+    (lambda out: write(out / "best.pt", os.urandom(2000)) and write(out / "last.pt", b"PK\x03\x04"),
+     "last.pt: it is truncated or not a torch checkpoint at all"),
+    (lambda out: torch.save({"model": 1}, out / "best.pt") or (out / "last.pt").unlink(),
+     "best.pt is not a GPT checkpoint of this repo (KeyError"),
+])
+def test_a_broken_out_dir_is_a_clear_error(trained, tmp_path, capsys, damage, message):
+    out = copy_run(trained, tmp_path)
+    damage(out)
+    code, err = sample_in_process(capsys, f"--out_dir={out}")
+    assert code == 2 and err.splitlines()[-1].startswith("error: ") and message in err, err
+
+
+def test_a_damaged_best_checkpoint_falls_back_to_last(trained, tmp_path):
+    out = copy_run(trained, tmp_path)
+    write(out / "best.pt", os.urandom(5000))
+    proc = sample(f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=5")
+    assert proc.returncode == 0, proc.stderr
+    assert f"warning: cannot read checkpoint {out / 'best.pt'}" in proc.stderr
+    assert f"# {out / 'last.pt'} (step 10)" in proc.stderr
