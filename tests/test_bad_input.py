@@ -1,6 +1,7 @@
 """Broken files and runaway numbers: one clear message, and no good file overwritten."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -169,3 +170,29 @@ def test_a_full_disk_leaves_the_previous_checkpoint_loadable(trained, tmp_path):
         assert not list(disk.glob(".*.tmp"))
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_float16_overflow_is_skipped_by_the_scaler_and_the_run_goes_on(char_data, tmp_path, monkeypatch):
+    # A scale far too high, as at the start of any float16 run but more so: the first steps'
+    # scaled gradients overflow float16; the scaler must skip them (halving its scale each
+    # time) and the run must neither stop nor count them as divergence.
+    scalers = []
+
+    class HighScaler(torch.amp.GradScaler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "init_scale": 2.0 ** 40})
+            scalers.append(self)
+
+    monkeypatch.setattr(torch.amp, "GradScaler", HighScaler)
+    result = run(char_data, tmp_path, max_iters=40, eval_interval=40, dtype="float16")
+    skipped = 40 - math.log2(scalers[0].get_scale())  # growth would take 2000 clean steps
+    log = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in log if "loss" in r]
+    assert result["step"] == 40 and 5 <= skipped < 40, skipped
+    # the skipped steps are the ones whose unscaled gradients held inf, and only those
+    assert sum(not math.isfinite(r["grad_norm"]) for r in steps) == skipped
+    assert all(math.isfinite(r["loss"]) for r in steps)
+    evals = [r["val_loss"] for r in log if "val_loss" in r]
+    assert evals[-1] < evals[0] - 0.2
+    weights = torch.load(tmp_path / "last.pt", weights_only=True)["model"].values()
+    assert all(torch.isfinite(w).all() for w in weights)
