@@ -1,6 +1,6 @@
 """Launch train.py on N local processes with torch.multiprocessing.spawn.
 
-    python train_spawn.py [config.py] [--name=value ...] [--nproc=N]
+    python train_spawn.py [config.py] [--name=value ...] [--nproc=N] [--debug]
 
 N defaults to the number of GPUs, or 2 on a machine without one. Each child
 gets RANK / LOCAL_RANK / WORLD_SIZE like torchrun would set them and runs
@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import sys
+import traceback
 
 import torch
 import torch.multiprocessing as mp
@@ -42,8 +43,10 @@ def main(argv=None):
             if not text.isdigit() or int(text) < 1:
                 raise ConfigError(f"--nproc must be a positive integer, got '{text}'")
             nproc = int(text)
-        resolve(args)  # a bad config fails here once, not in N children
+        resolve([a for a in args if a != "--debug"])  # a bad config fails here once, not in N children
     except ConfigError as e:
+        if "--debug" in args:
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -234,3 +234,49 @@ def test_two_launched_ranks_both_exit_2_and_debug_shows_the_traceback(char_data,
         assert "Traceback (most recent call last)" in stderr and "config.py" in stderr
         assert stderr.endswith("error: n_embd (33) must be divisible by n_head (2)\n")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("--n_embd=33", "n_embd (33) must be divisible by n_head (2)"),  # found by the launcher
+    ("--block_size=7000", "block_size (7000) is too long for the val split"),  # found by the ranks
+])
+def test_train_spawn_exits_2_and_debug_shows_the_traceback(char_data, tmp_path, problem, message):
+    args = [sys.executable, "train_spawn.py", "--nproc=2", *tiny_args(char_data, tmp_path / "out"), problem]
+    quiet = subprocess.run(args, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 2 and f"error: {message}" in quiet.stderr, quiet.stderr
+    assert "Traceback" not in quiet.stderr
+    loud = subprocess.run(args + ["--debug"], cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert loud.returncode == 2 and "Traceback (most recent call last)" in loud.stderr, loud.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _train_rank_recording_config_errors(rank, world_size, args, result_dir):
+    import train
+    from config import ConfigError, resolve
+    if rank == 1:  # this host's copy of the data turns out damaged once it is prepared
+        def damaged(data_dir, meta):
+            raise ValueError(f"{data_dir}/train.bin is damaged on rank 1's host")
+        train.check_token_files = damaged
+    try:
+        train.main(resolve(args))
+        message = "trained"
+    except ConfigError as e:
+        message = str(e)
+    (result_dir / f"rank{rank}.txt").write_text(message)
+
+
+def test_data_found_bad_after_preparing_on_one_host_stops_every_rank(char_data, tmp_path):
+    # The data is missing, so it passes the check before the process group forms; local rank 0
+    # prepares it, and then one rank's check fails: both must stop, neither may wait for the other.
+    from harness import run_ranks
+    fresh = tmp_path / "fresh"
+    args = tiny_args(fresh, tmp_path / "out", prepare_input=char_data.parent / "input_text.txt",
+                     dist_timeout=60)
+    started = time.monotonic()
+    run_ranks(_train_rank_recording_config_errors, 2, args, tmp_path)
+    assert time.monotonic() - started < 50
+    assert (fresh / "meta.json").exists()
+    assert (tmp_path / "rank1.txt").read_text() == f"{fresh}/train.bin is damaged on rank 1's host"
+    assert (tmp_path / "rank0.txt").read_text() == "the dataset check failed on another rank: see its message"
+    assert not (tmp_path / "out").exists()

@@ -76,5 +76,5 @@ def test_config_files_load_or_raise_config_error(assignments, junk, tmp_path):
 def test_a_config_file_that_exits_is_a_config_error(tmp_path):
     path = tmp_path / "exits.py"
     path.write_text("raise SystemExit(3)\n")
-    with pytest.raises(ConfigError, match=r"exits\.py: SystemExit: 3"):
+    with pytest.raises(ConfigError, match=r"exits\.py, line 1: SystemExit: 3"):
         resolve([str(path)])
