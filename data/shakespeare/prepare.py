@@ -15,7 +15,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `data` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.common import encode_with_progress, gpt2_encoding, load_corpus, split_text, write_dataset
+from data.common import (encode_with_progress, errors_exit_2, gpt2_encoding, load_corpus, split_text,
+                         write_dataset)
 
 
 def prepare(out_dir=None, input_path=None, bpe_file=None) -> dict:
@@ -43,4 +44,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    with errors_exit_2():
+        main()
