@@ -24,6 +24,7 @@ import re
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -417,10 +418,18 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
     meta = ensure_dataset(cfg, world)
     data_dir = dataset_dir(cfg)
     out_dir = Path(cfg.out_dir)
-    if world.is_master:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for path in checkpoint.remove_stale_temporaries(out_dir):
-            print(f"removed {path}, left by a run that was killed while writing", flush=True)
+    error = None
+    if world.is_master:  # find out now, not at the first checkpoint, that out_dir is unusable
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            for path in checkpoint.remove_stale_temporaries(out_dir):
+                print(f"removed {path}, left by a run that was killed while writing", flush=True)
+            with tempfile.TemporaryFile(dir=out_dir):
+                pass
+        except OSError as e:
+            error = (f"out_dir {out_dir} cannot be written ({e.strerror or e}): choose another "
+                     f"--out_dir or fix its permissions")
+    agree_or_raise(error, world, "rank 0 cannot write to out_dir: see its message")
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     tokens_per_step = cfg.global_batch_size * cfg.block_size
 
@@ -665,6 +674,12 @@ def cli(argv=None):
     """Exit 2 for a config or data problem, 1 for a failed run: one line saying what to do,
     with the traceback only under --debug."""
     args = strip_local_rank(sys.argv[1:] if argv is None else list(argv))
+    if "-h" in args or "--help" in args:
+        defaults = "\n".join(f"  --{k}={v if isinstance(v, str) else repr(v)}"
+                             for k, v in Config().to_dict().items())
+        print(f"{__doc__}\n--debug shows the traceback of an error.\n\nConfig names and their defaults "
+              f"(README.md explains each):\n{defaults}")
+        return
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
     try:

@@ -301,3 +301,22 @@ def test_a_prepare_that_fails_on_local_rank_0_stops_every_rank(tmp_path):
     assert (tmp_path / "rank1.txt").read_text() == ("preparing the dataset failed on another rank: "
                                                     "see its message")
     assert not (fresh / "meta.json").exists() and not (tmp_path / "out").exists()
+
+
+def test_an_out_dir_rank_0_cannot_write_stops_every_rank_before_training(char_data, tmp_path):
+    taken = tmp_path / "a_file"
+    taken.write_text("not a folder")
+    from harness import run_ranks
+    run_ranks(_train_rank_recording_config_errors, 2, tiny_args(char_data, taken, dist_timeout=60),
+              tmp_path, False)
+    assert (tmp_path / "rank0.txt").read_text().startswith(f"out_dir {taken} cannot be written (")
+    assert (tmp_path / "rank1.txt").read_text() == "rank 0 cannot write to out_dir: see its message"
+    assert taken.read_text() == "not a folder"
+
+
+def test_help_lists_every_config_name_with_its_default(capsys):
+    train.cli(["--help"])
+    printed = capsys.readouterr().out
+    assert printed.startswith(train.__doc__)
+    for name, value in train.Config().to_dict().items():
+        assert f"--{name}={value if isinstance(value, str) else repr(value)}\n" in printed
