@@ -268,10 +268,12 @@ def collective_failures_explained(world: World, cfg: Config, where):
             f"rank 0's out_dir, on rank 0's host: relaunch with resume=auto to continue.") from None
 
 
-def diverged(what: str, cfg: Config) -> str:
+def diverged(what: str, cfg: Config, saved_step) -> str:
+    kept = (f"last.pt holds step {saved_step}, the last good one" if saved_step is not None
+            else "no checkpoint of this run was written yet")
     return (f"{what}. Likely causes: a learning rate too high (learning_rate={cfg.learning_rate:g}: "
             f"try a smaller one or a longer warmup), float16 overflow (try --dtype=bfloat16), or "
-            f"bad data. Nothing was saved from this state: last.pt holds the last good step.")
+            f"bad data. Nothing was saved from this state: {kept}.")
 
 
 class StopSignal:
@@ -496,10 +498,13 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
         if resumed_from:
             log.say(f"resuming from {resumed_from} at step {step}")
 
+    saved_step = start_step if resumed_from else None  # the step last.pt holds
+
     def save_checkpoint(val_loss, best: bool):
+        nonlocal saved_step
         # Weights are the same on every rank, so every rank makes the same decision.
         if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
-            raise RunError(diverged(f"the weights hold NaN or inf at step {step}", cfg))
+            raise RunError(diverged(f"the weights hold NaN or inf at step {step}", cfg, saved_step))
         rng = checkpoint.gather_rng_states(world.size, world.group)
         saved, failure = torch.tensor([1]), "see rank 0's log"
         if world.is_master:
@@ -518,6 +523,7 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
             raise RunError(f"rank 0 could not write a checkpoint at step {step} ({failure}). The "
                            f"previous last.pt is intact: free disk space or choose another out_dir, "
                            f"then relaunch with resume=auto.")
+        saved_step = step
 
     val_loss, t_last, last_log_step, stopped = None, time.time(), step, False
     with StopSignal() as stop, collective_failures_explained(world, cfg, lambda: f"step {step}"):
@@ -528,7 +534,8 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
                           for s in eval_sets}
                 val_loss = losses["val"]
                 if not math.isfinite(val_loss):
-                    raise RunError(diverged(f"the validation loss is {val_loss} at step {step}", cfg))
+                    raise RunError(diverged(f"the validation loss is {val_loss} at step {step}", cfg,
+                                            saved_step))
                 improved = val_loss < best_val
                 best_val = min(best_val, val_loss)
                 log.log({"step": step, "train_eval_loss": losses["train"], "val_loss": val_loss,
@@ -567,7 +574,8 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
                     step_loss /= world.size
                 loss_value = step_loss.item()
                 if not math.isfinite(loss_value):
-                    raise RunError(diverged(f"the training loss is {loss_value} at step {step}", cfg))
+                    raise RunError(diverged(f"the training loss is {loss_value} at step {step}", cfg,
+                                            saved_step))
                 elapsed, t_last = time.time() - t_last, time.time()
                 steps_done, last_log_step = step - last_log_step, step
                 record = {"step": step, "loss": loss_value, "lr": lr,

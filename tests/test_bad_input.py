@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -61,11 +62,23 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoin
         return optimizer
 
     monkeypatch.setattr(train.GPT, "configure_optimizers", poisoned)
-    with pytest.raises(train.RunError, match=r"training loss is nan at step 7\..*learning_rate=0.003"):
+    with pytest.raises(train.RunError, match=r"training loss is nan at step 7\..*learning_rate=0.003.*"
+                                              r"last\.pt holds step 4, the last good one"):
         run(char_data, tmp_path, max_iters=20, eval_interval=4)
     ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
     assert ckpt["step"] == 4 and all(torch.isfinite(w).all() for w in ckpt["model"].values())
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_an_absurd_learning_rate_stops_the_run_with_exit_1_and_saves_nothing(char_data, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.cli(tiny_args(char_data, tmp_path, learning_rate=1e30, warmup_iters=0, eval_interval=5))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.count("\n") == 1
+    assert re.fullmatch(r"error: the training loss is nan at step \d\. Likely causes: a learning rate "
+                        r"too high \(learning_rate=1e\+30.*no checkpoint of this run was written yet\.\n",
+                        err), err
+    assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob(".*.tmp"))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "random bytes"])
