@@ -106,6 +106,10 @@ class UnreadableCheckpoint(ConfigError):
     """The file is not a checkpoint torch can read as plain data."""
 
 
+def first_line(e: BaseException, limit: int = 200) -> str:
+    return (str(e).splitlines() or [""])[0][:limit]
+
+
 def read(path: Path):
     """torch.load with weights_only=True: tensors and plain values only, never code."""
     try:
@@ -113,11 +117,13 @@ def read(path: Path):
     except pickle.UnpicklingError:
         reason = ("it is damaged, or holds objects that would run code when loaded, which "
                   "weights_only=True refuses")
-    except (EOFError, RuntimeError) as e:
-        reason = ("it is truncated or not a torch checkpoint at all" if isinstance(e, EOFError)
-                  or "zip archive" in str(e) else f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    except EOFError:
+        reason = "it is truncated"
+    except RuntimeError as e:
+        reason = ("it is truncated or not a torch checkpoint at all" if "zip archive" in str(e)
+                  else f"RuntimeError: {first_line(e)}")
     except Exception as e:  # nothing in a bad file may end in a traceback
-        reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        reason = f"{type(e).__name__}: {first_line(e)}"
     raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {reason}")
 
 

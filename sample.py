@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import checkpoint
-from checkpoint import UnreadableCheckpoint
+from checkpoint import UnreadableCheckpoint, first_line
 from data.common import load_meta, tokenizer_from_meta
 from model import GPT, GPTConfig
 
@@ -57,7 +57,7 @@ def load_model(out_dir: Path, device: torch.device) -> tuple:
         except UnreadableCheckpoint as e:
             problem = str(e)
         except Exception as e:  # plain data, but not a checkpoint of this repo's GPT
-            problem = f"{path} is not a GPT checkpoint of this repo ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
+            problem = f"{path} is not a GPT checkpoint of this repo ({type(e).__name__}: {first_line(e)})"
         if path == candidates[-1]:
             fail(problem)
         print(f"warning: {problem}; trying {candidates[-1]}", file=sys.stderr)
@@ -95,7 +95,7 @@ def main(argv=None):
         fail(f"--max_new_tokens must be positive, got {args.max_new_tokens}")
     if args.num_samples <= 0:
         fail(f"--num_samples must be positive, got {args.num_samples}")
-    if args.temperature < 0 or args.temperature != args.temperature:
+    if not args.temperature >= 0:  # also refuses nan
         fail(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.top_k < 0:
         fail(f"--top_k must be >= 0 (0 = no top-k filtering), got {args.top_k}")

@@ -263,7 +263,7 @@ def collective_failures_explained(world: World, cfg: Config, where):
             raise
         raise RunError(
             f"rank {world.rank} on {socket.gethostname()}, {where()}: a collective timed out or "
-            f"failed ({str(e).splitlines()[0][:300]}). A peer process died or the network between "
+            f"failed ({checkpoint.first_line(e, 300)}). A peer process died or the network between "
             f"hosts is down (dist_timeout={cfg.dist_timeout:g}s). The last checkpoint is last.pt in "
             f"rank 0's out_dir, on rank 0's host: relaunch with resume=auto to continue.") from None
 
@@ -516,7 +516,7 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
             try:
                 checkpoint.save(state, out_dir, best)
             except (OSError, RuntimeError) as e:  # a full disk surfaces as either
-                saved[0], failure = 0, str(e).splitlines()[0]
+                saved[0], failure = 0, checkpoint.first_line(e)
         if world.size > 1:  # also the barrier that keeps ranks from running ahead of the write
             dist.all_reduce(saved, op=dist.ReduceOp.MIN, group=world.group)
         if not saved.item():
@@ -612,7 +612,7 @@ def join_process_group(cfg: Config, world: World, backend: str):
         raise RunError(
             f"rank {world.rank} on {socket.gethostname()} could not form the process group of "
             f"{world.size} ranks at {address} within dist_timeout={cfg.dist_timeout:g}s "
-            f"({str(e).splitlines()[0][:300]}). Check that every host started its ranks with the "
+            f"({checkpoint.first_line(e, 300)}). Check that every host started its ranks with the "
             f"same MASTER_ADDR, MASTER_PORT and WORLD_SIZE; that {address} is reachable from every "
             f"host (address, port, firewall); and that GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name "
             f"the network interface that links the hosts.") from None
