@@ -84,6 +84,11 @@ def slurm_tasks_per_node(counts: str) -> list[int]:
 def find_world() -> World:
     """Read ranks from torchrun or manual variables, else from SLURM, else one process."""
     env = os.environ
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+             "SLURM_LOCALID", "SLURM_NODEID")
+    bad = {k: env[k] for k in names if k in env and not env[k].isdigit()}
+    if bad:
+        raise ConfigError(f"rank variables must be whole numbers, got {bad}: check the launch command")
     if "RANK" in env and "WORLD_SIZE" in env:
         size = int(env["WORLD_SIZE"])
         return World(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), size,
@@ -669,7 +674,9 @@ def strip_local_rank(argv: list[str]) -> list[str]:
         arg = argv[i]
         name = arg.split("=", 1)[0]
         if name in ("--local-rank", "--local_rank"):
-            value = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            if not value.isdigit():
+                raise ConfigError(f"{name} needs a number, e.g. {name}=0, got {value!r}")
             i += 1 if "=" in arg else 2
             os.environ.setdefault("LOCAL_RANK", value)
             continue
@@ -681,7 +688,7 @@ def strip_local_rank(argv: list[str]) -> list[str]:
 def cli(argv=None):
     """Exit 2 for a config or data problem, 1 for a failed run: one line saying what to do,
     with the traceback only under --debug."""
-    args = strip_local_rank(sys.argv[1:] if argv is None else list(argv))
+    args = sys.argv[1:] if argv is None else list(argv)
     if "-h" in args or "--help" in args:
         defaults = "\n".join(f"  --{k}={v if isinstance(v, str) else repr(v)}"
                              for k, v in Config().to_dict().items())
@@ -691,7 +698,7 @@ def cli(argv=None):
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
     try:
-        result = main(resolve(args))
+        result = main(resolve(strip_local_rank(args)))
     except (ConfigError, RunError) as e:
         if debug:
             traceback.print_exc()

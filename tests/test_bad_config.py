@@ -116,6 +116,8 @@ CASES = [
     ("unparseable bool", ["--compile=yes"], None, r"config 'compile' must be bool, got 'yes'"),
     ("override without a value", ["--n_layer"], None, r"write overrides as --n_layer=VALUE"),
     ("neither file nor override", ["n_layer=3"], None, r"neither a config file \(\.py\) nor"),
+    ("legacy --local_rank without a number", ["--local_rank"], None,
+     r"--local_rank needs a number, e\.g\. --local_rank=0, got ''"),
     ("missing config file", ["no/such/config.py"], None,
      r"cannot read config file no/such/config\.py: No such file"),
     ("config file that raises", config_file_that_raises, None,
@@ -320,3 +322,11 @@ def test_help_lists_every_config_name_with_its_default(capsys):
     assert printed.startswith(train.__doc__)
     for name, value in train.Config().to_dict().items():
         assert f"--{name}={value if isinstance(value, str) else repr(value)}\n" in printed
+
+
+def test_rank_variables_that_are_not_numbers_are_a_clear_error(char_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "$SLURM_PROCID")  # an unexpanded variable in a hand-written script
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, err = run_cli(tiny_args(char_data, tmp_path / "out"), monkeypatch, capsys)
+    assert code == 2 and err == ("error: rank variables must be whole numbers, got "
+                                 "{'RANK': '$SLURM_PROCID'}: check the launch command\n")
