@@ -11,7 +11,6 @@ control group, and each rank briefly holds a second copy of it in memory.
 
 import json
 import os
-import pickle
 import shutil
 from pathlib import Path
 
@@ -114,16 +113,14 @@ def read(path: Path):
     """torch.load with weights_only=True: tensors and plain values only, never code."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        reason = ("it is damaged, or holds objects that would run code when loaded, which "
-                  "weights_only=True refuses")
-    except EOFError:
-        reason = "it is truncated"
-    except RuntimeError as e:
-        reason = ("it is truncated or not a torch checkpoint at all" if "zip archive" in str(e)
-                  else f"RuntimeError: {first_line(e)}")
     except Exception as e:  # nothing in a bad file may end in a traceback
-        reason = f"{type(e).__name__}: {first_line(e)}"
+        if isinstance(e, EOFError) or "zip archive" in str(e):
+            reason = "it is truncated or not a torch checkpoint at all"
+        elif str(e).startswith("Weights only load failed"):  # torch's advice to load it unsafely: no
+            reason = ("it is damaged, or holds objects that would run code when loaded, which "
+                      "weights_only=True refuses")
+        else:
+            reason = f"{type(e).__name__}: {first_line(e)}"
     raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {reason}")
 
 

@@ -65,6 +65,16 @@ class World:
         return self.rank == 0
 
 
+def any_rank(flag: bool, world: World) -> bool:
+    """True on every rank when `flag` is True on any: one tiny all-reduce over the gloo group,
+    which every rank must call (so it is also a barrier)."""
+    if world.size == 1:
+        return flag
+    votes = torch.tensor([int(flag)])
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=world.group)
+    return bool(votes.item())
+
+
 def slurm_first_host(nodelist: str) -> str:
     """First host of a SLURM node list, as `scontrol show hostnames` orders them:
     'gpu[03-05,07],cpu1' -> 'gpu03', 'rack[2-3]-n[1-4]' -> 'rack2-n1'."""
@@ -202,25 +212,29 @@ def read_dataset(cfg: Config) -> dict:
 
 
 def check_dataset(cfg: Config):
-    """Fail before any process group exists when the data is broken, or missing and cannot be made."""
+    """Fail before any process group exists when the data is broken, or missing and cannot be
+    made. Returns the checked meta, or None when the data is yet to be prepared."""
     data_dir = dataset_dir(cfg)
     script = REPO / "data" / cfg.dataset / "prepare.py"
     if (data_dir / "meta.json").exists():
-        read_dataset(cfg)
-    elif not script.exists():
+        return read_dataset(cfg)
+    if not script.exists():
         raise ConfigError(f"no dataset in {data_dir} (meta.json missing) and no {script} to "
                           f"prepare it: check --dataset / --data_dir")
     elif cfg.prepare_input and not Path(cfg.prepare_input).is_file():
         raise ConfigError(f"prepare_input {cfg.prepare_input} does not exist: the dataset in "
                           f"{data_dir} is missing and would be prepared from it")
+    return None
 
 
-def ensure_dataset(cfg: Config, world: World) -> dict:
-    """Each host's local rank 0 prepares missing data; every rank waits, then checks it. A
-    failure on one host (no shared disk) stops every rank, not only that host's."""
+def ensure_dataset(cfg: Config, world: World, meta) -> dict:
+    """`meta` is check_dataset's: None where the data is missing. Each host's local rank 0
+    prepares missing data; its ranks wait, then check it. Every rank takes part in both
+    agreements (a host with data cannot know another lacks it), so a failure on one host
+    (no shared disk) stops every rank, not only that host's."""
     data_dir = dataset_dir(cfg)
     error = None
-    if not (data_dir / "meta.json").exists() and world.local_rank == 0:
+    if meta is None and world.local_rank == 0 and not (data_dir / "meta.json").exists():
         local_input = {"input_path": cfg.prepare_input} if cfg.prepare_input else {}
         try:
             importlib.import_module(f"data.{cfg.dataset}.prepare").prepare(out_dir=str(data_dir),
@@ -228,23 +242,19 @@ def ensure_dataset(cfg: Config, world: World) -> dict:
         except (OSError, ValueError, RuntimeError) as e:  # no corpus, not UTF-8, a full disk...
             error = f"preparing {cfg.dataset} in {data_dir} failed: {e}"
     agree_or_raise(error, world, "preparing the dataset failed on another rank: see its message")
-    try:
-        meta = read_dataset(cfg)
-    except ConfigError as e:
-        meta, error = None, str(e)
+    if meta is None:
+        try:
+            meta = read_dataset(cfg)
+        except ConfigError as e:
+            error = str(e)
     agree_or_raise(error, world, "the dataset check failed on another rank: see its message")
     return meta
 
 
 def agree_or_raise(error, world: World, elsewhere: str):
-    """Raise ConfigError on every rank if any rank has an error (also a barrier)."""
-    if world.size > 1:
-        failed = torch.tensor([int(error is not None)])
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=world.group)
-        if failed.item() and error is None:
-            error = elsewhere
-    if error:
-        raise ConfigError(error)
+    """Raise ConfigError on every rank if any rank has an error; the others say `elsewhere`."""
+    if any_rank(error is not None, world):
+        raise ConfigError(error or elsewhere)
 
 
 # -----------------------------------------------------------------------------
@@ -302,11 +312,7 @@ class StopSignal:
             signal.signal(signal.SIGTERM, self.previous)
 
     def agreed(self, world: World) -> bool:
-        if world.size == 1:
-            return self.received
-        flag = torch.tensor([int(self.received)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=world.group)  # a tiny CPU message
-        return bool(flag.item())
+        return any_rank(self.received, world)
 
 
 # -----------------------------------------------------------------------------
@@ -421,8 +427,9 @@ class Logger:
 # the run
 
 def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, backend: str,
-          accum: int) -> dict:
-    meta = ensure_dataset(cfg, world)
+          accum: int, meta) -> dict:
+    """`meta` is check_dataset's result (None: the data is yet to be prepared)."""
+    meta = ensure_dataset(cfg, world, meta)
     data_dir = dataset_dir(cfg)
     out_dir = Path(cfg.out_dir)
     error = None
@@ -511,7 +518,7 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
         if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
             raise RunError(diverged(f"the weights hold NaN or inf at step {step}", cfg, saved_step))
         rng = checkpoint.gather_rng_states(world.size, world.group)
-        saved, failure = torch.tensor([1]), "see rank 0's log"
+        failure = None
         if world.is_master:
             state = dict(format=checkpoint.FORMAT, model=raw_model.state_dict(),
                          optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), step=step,
@@ -521,10 +528,10 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
             try:
                 checkpoint.save(state, out_dir, best)
             except (OSError, RuntimeError) as e:  # a full disk surfaces as either
-                saved[0], failure = 0, checkpoint.first_line(e)
-        if world.size > 1:  # also the barrier that keeps ranks from running ahead of the write
-            dist.all_reduce(saved, op=dist.ReduceOp.MIN, group=world.group)
-        if not saved.item():
+                failure = checkpoint.first_line(e)
+        # also the barrier that keeps ranks from running ahead of the write
+        if any_rank(failure is not None, world):
+            failure = failure or "see rank 0's log"
             raise RunError(f"rank 0 could not write a checkpoint at step {step} ({failure}). The "
                            f"previous last.pt is intact: free disk space or choose another out_dir, "
                            f"then relaunch with resume=auto.")
@@ -643,7 +650,7 @@ def main(cfg: Config) -> dict:
     device = pick_device(cfg, world)
     dtype = pick_dtype(cfg, device)
     backend = pick_backend(cfg, device)
-    check_dataset(cfg)
+    meta = check_dataset(cfg)
     accum = accumulation_steps(cfg, world)  # fail on every rank before anyone waits for a peer
     if device.type == "cpu":  # ranks on one host share its cores
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -658,7 +665,7 @@ def main(cfg: Config) -> dict:
     try:
         with collective_failures_explained(world, cfg, lambda: "before the first step"):
             check_group(world, device, backend)
-            return train(cfg, world, device, dtype, backend, accum)
+            return train(cfg, world, device, dtype, backend, accum, meta)
     finally:
         if dist.is_initialized():
             # DDP sits in reference cycles; if it outlives the group, gloo's threads can

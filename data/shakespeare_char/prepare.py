@@ -7,14 +7,13 @@ tiny shakespeare, or Shakespeare's plays from the package index when that cannot
 or your own UTF-8 text with --input. The first 90% of the characters train, the last 10% validate.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `data` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.common import errors_exit_2, load_corpus, split_text, write_dataset
+from data.common import errors_exit_2, load_corpus, prepare_parser, split_text, write_dataset
 
 
 def prepare(out_dir=None, input_path=None) -> dict:
@@ -33,10 +32,7 @@ def prepare(out_dir=None, input_path=None) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", help="a local UTF-8 text file to use instead of Shakespeare")
-    parser.add_argument("--out_dir", help="where to write the dataset (default: this script's folder)")
-    args = parser.parse_args(argv)
+    args = prepare_parser(__doc__).parse_args(argv)
     return prepare(out_dir=args.out_dir, input_path=args.input)
 
 
