@@ -9,16 +9,21 @@ for AdamW in float32) to every other rank once per resume, over the gloo
 control group, and each rank briefly holds a second copy of it in memory.
 """
 
+import dataclasses
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from config import Config, ConfigError
-from data.common import atomic_write
+from config import Config
+from data.files import atomic_write
+from errors import CheckpointNotWritten, ConfigError, OutDirUnwritable, first_line
+from launch import World, agree_or_raise, any_rank
+from model import GPTConfig
 
 FORMAT = 1
 
@@ -37,6 +42,23 @@ def link_or_copy(src: Path, dst: Path):
             atomic_write(dst, lambda f: shutil.copyfileobj(source, f))
 
 
+def save_on_rank0(state: dict, out_dir: Path, best: bool, world: World):
+    """Rank 0 writes `state`; every rank learns whether it could, and raises if not.
+
+    Every rank calls this with the state it built (building it may itself be collective);
+    the agreement at the end is also the barrier that keeps ranks from running ahead of
+    the write.
+    """
+    failure = None
+    if world.is_master:
+        try:
+            save(state, out_dir, best)
+        except (OSError, RuntimeError) as e:  # a full disk surfaces as either
+            failure = first_line(e)
+    if any_rank(failure is not None, world):
+        raise CheckpointNotWritten(state["step"], failure or "see rank 0's log")
+
+
 def save(state: dict, out_dir: Path, best: bool):
     """Write last.pt atomically (temporary file, fsync, rename); make best.pt the same bytes if best.
 
@@ -49,6 +71,21 @@ def save(state: dict, out_dir: Path, best: bool):
     atomic_write(last, lambda f: torch.save(state, f))
     if best:
         link_or_copy(last, out_dir / "best.pt")
+
+
+def prepare_out_dir(out_dir: Path, world: World):
+    """Find out now, not at the first checkpoint, that rank 0 cannot write to out_dir."""
+    error = None
+    if world.is_master:
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            for path in remove_stale_temporaries(out_dir):
+                print(f"removed {path}, left by a run that was killed while writing", flush=True)
+            with tempfile.TemporaryFile(dir=out_dir):
+                pass
+        except OSError as e:
+            error = str(OutDirUnwritable(out_dir, e))
+    agree_or_raise(error, world, "rank 0 cannot write to out_dir: see its message")
 
 
 def remove_stale_temporaries(out_dir: Path) -> list:
@@ -105,10 +142,6 @@ class UnreadableCheckpoint(ConfigError):
     """The file is not a checkpoint torch can read as plain data."""
 
 
-def first_line(e: BaseException, limit: int = 200) -> str:
-    return (str(e).splitlines() or [""])[0][:limit]
-
-
 def read(path: Path):
     """torch.load with weights_only=True: tensors and plain values only, never code."""
     try:
@@ -141,8 +174,8 @@ def load(path: Path, model_args: dict, cfg: Config) -> dict:
             f"but the dataset now has {model_args['vocab_size']} (its meta.json): resume with the "
             f"data it was trained on (dataset={ckpt['config'].get('dataset')!r}, "
             f"data_dir={ckpt['config'].get('data_dir')!r}) or start afresh with --resume=never")
-    diff = {k: (ckpt["model_args"].get(k), v) for k, v in model_args.items()
-            if k != "dropout" and ckpt["model_args"].get(k) != v}
+    saved = {**dataclasses.asdict(GPTConfig()), **ckpt["model_args"]}  # older files lack newer fields
+    diff = {k: (saved.get(k), v) for k, v in model_args.items() if k != "dropout" and saved.get(k) != v}
     if diff:
         raise ConfigError(f"{path} holds another model shape (checkpoint, now): {diff}")
     for name in ("global_batch_size", "seed"):
@@ -168,6 +201,22 @@ def load_for_resume(cfg: Config, model_args: dict):
             raise
         print(f"warning: {e}\nresuming from {previous}, the checkpoint before it", flush=True)
         return load(previous, model_args, cfg)
+
+
+def load_on_rank0(cfg: Config, model_args: dict, world: World):
+    """The checkpoint this run continues from, or None, on every rank: rank 0 reads and checks
+    it (other hosts need no copy of the file) and sends it, or its error, to the others."""
+    ckpt, error = None, None
+    if world.is_master:
+        try:
+            ckpt = load_for_resume(cfg, model_args)
+        except ConfigError as e:
+            error = str(e)
+    if world.size > 1:
+        ckpt, error = share_from_rank0(ckpt, error, world.group)
+    if error:
+        raise ConfigError(error)
+    return ckpt
 
 
 def _pack(obj, tensors: list):

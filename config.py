@@ -26,9 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-
-class ConfigError(ValueError):
-    """A config problem the user can fix: the message says what and how."""
+from errors import ConfigError
 
 
 @dataclass
@@ -38,8 +36,8 @@ class Config:
     dataset: str = "shakespeare_char"       # a folder under data/ with a prepare.py
     data_dir: str = ""                      # where train.bin/val.bin/meta.json live; "" = data/<dataset>
     prepare_input: str = ""                 # a local text file for prepare.py instead of a download
-    init_from: str = "scratch"              # "scratch", or "resume" (a checkpoint must exist)
-    resume: str = "auto"                    # "auto" (out_dir/last.pt if present), "never", or a checkpoint path
+    init_from: str = "scratch"              # weights when nothing is resumed: "scratch", or "resume" (a checkpoint must exist)
+    resume: str = "auto"                    # continue a checkpoint: "auto" (out_dir/last.pt if present), "never", or a .pt path
     eval_interval: int = 250                # optimizer steps between evals (and checkpoints)
     eval_iters: int = 20                    # eval windows per split = eval_iters x global_batch_size
     log_interval: int = 10                  # optimizer steps between train-loss logs
@@ -52,6 +50,7 @@ class Config:
     block_size: int = 64
     dropout: float = 0.0
     bias: bool = True
+    pad_vocab_to: int = 1                   # round the vocabulary rows up to a multiple (64 on GPUs)
     # batch: batch_size is one process's micro-batch; global_batch_size is the
     # number of sequences in one optimizer step over all processes
     batch_size: int = 16
@@ -69,7 +68,7 @@ class Config:
     min_lr: Optional[float] = None          # None = learning_rate / 10
     # system
     device: str = "auto"                    # "auto", "cpu", "cuda", "cuda:N", "mps"
-    backend: str = "auto"                   # "auto" (nccl on CUDA, else gloo), "gloo", "nccl"
+    backend: str = "auto"                   # "auto" (nccl on CUDA, else gloo), "gloo", "nccl", "mpi"
     dtype: str = "auto"                     # "auto", "float32", "bfloat16", "float16"
     compile: bool = False                   # torch.compile the model
     dist_timeout: float = 600.0             # seconds a collective may wait for a peer
@@ -174,7 +173,7 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(msg)
 
     for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "global_batch_size",
-                 "eval_interval", "eval_iters", "log_interval"):
+                 "eval_interval", "eval_iters", "log_interval", "pad_vocab_to"):
         need(getattr(cfg, name) > 0, f"{name} must be positive, got {getattr(cfg, name)}")
     for name in ("max_iters", "warmup_iters", "weight_decay", "grad_clip"):
         need(getattr(cfg, name) >= 0, f"{name} must be >= 0, got {getattr(cfg, name)}")
@@ -187,12 +186,16 @@ def validate(cfg: Config) -> Config:
          f"min_lr must be in [0, learning_rate={cfg.learning_rate}], got {cfg.min_lr}")
     need(cfg.lr_decay_iters is None or cfg.lr_decay_iters > 0,
          f"lr_decay_iters must be positive or None, got {cfg.lr_decay_iters}")
-    need(0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1, f"beta1/beta2 must be in [0, 1)")
+    need(0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1,
+         f"beta1 and beta2 must be in [0, 1), got {cfg.beta1} and {cfg.beta2}")
     need(cfg.dist_timeout > 0, f"dist_timeout must be positive seconds, got {cfg.dist_timeout}")
     for name, choices in CHOICES.items():
         need(getattr(cfg, name) in choices, f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
     need(cfg.resume in ("auto", "never") or Path(cfg.resume).suffix == ".pt",
          f"resume must be 'auto', 'never' or a path to a .pt checkpoint, got {cfg.resume!r}")
+    need(not (cfg.init_from == "resume" and cfg.resume == "never"),
+         "init_from='resume' needs a checkpoint but resume='never' forbids one: use --resume=auto "
+         "(out_dir/last.pt) or --resume=PATH.pt, or --init_from=scratch")
     need(bool(cfg.out_dir), "out_dir must not be empty")
     return cfg
 

@@ -10,10 +10,24 @@ positions, whatever the world size and the number of micro-steps, so a run on
 processes with 1 step sees. The tail of an epoch too short for a whole
 optimizer step is dropped. A dataset with fewer windows than one optimizer
 step makes each epoch of several shuffled passes, so a step can still be full.
+
+Dataset, at the end, is the run's view of its data folder: checked before the
+process group forms, and prepared inside it (by each host's local rank 0) when
+it is missing.
 """
+
+import importlib
+from pathlib import Path
 
 import numpy as np
 import torch
+
+from config import Config
+from data.dataset import check_token_files, load_meta
+from errors import ConfigError
+from launch import World, agree_or_raise
+
+REPO = Path(__file__).resolve().parent
 
 
 def open_tokens(path, dtype: str) -> np.memmap:
@@ -102,3 +116,63 @@ def eval_starts(n_tokens: int, block_size: int, n_windows: int) -> np.ndarray:
         raise ValueError(f"{n_tokens} tokens hold no window of {block_size + 1} tokens")
     picks = np.unique(np.linspace(0, available - 1, min(n_windows, available)).round().astype(np.int64))
     return picks * block_size
+
+
+# -----------------------------------------------------------------------------
+# the dataset: checked before the process group forms, prepared inside it when missing
+
+def dataset_dir(cfg: Config) -> Path:
+    return Path(cfg.data_dir) if cfg.data_dir else REPO / "data" / cfg.dataset
+
+
+def read_dataset(cfg: Config) -> dict:
+    """meta.json, checked against the token files and against block_size."""
+    data_dir = dataset_dir(cfg)
+    try:
+        meta = load_meta(data_dir)
+        check_token_files(data_dir, meta)
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    for split, needed in (("train", 2 * cfg.block_size), ("val", cfg.block_size + 1)):
+        if meta[f"{split}_tokens"] < needed:  # train: a window at any epoch offset
+            raise ConfigError(f"block_size ({cfg.block_size}) is too long for the {split} split of "
+                              f"{data_dir} ({meta[f'{split}_tokens']:,} tokens; it needs {needed:,}): "
+                              f"use a smaller --block_size or more data")
+    return meta
+
+
+class Dataset:
+    """The run's data. Made before the process group: a broken dataset, or a missing one that
+    cannot be made, fails here. `ready()`, inside the group, prepares missing data."""
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.dir = cfg, dataset_dir(cfg)
+        self.meta = read_dataset(cfg) if (self.dir / "meta.json").exists() else None
+        script = REPO / "data" / cfg.dataset / "prepare.py"
+        if self.meta is None and not script.exists():
+            raise ConfigError(f"no dataset in {self.dir} (meta.json missing) and no {script} to "
+                              f"prepare it: check --dataset / --data_dir")
+        if self.meta is None and cfg.prepare_input and not Path(cfg.prepare_input).is_file():
+            raise ConfigError(f"prepare_input {cfg.prepare_input} does not exist: the dataset in "
+                              f"{self.dir} is missing and would be prepared from it")
+
+    def ready(self, world: World) -> dict:
+        """The checked meta on every rank. Each host's local rank 0 prepares missing data; every
+        rank takes part in both agreements (a host with data cannot know another lacks it), so
+        a failure on one host (no shared disk) stops every rank, not only that host's."""
+        error = None
+        if self.meta is None and world.local_rank == 0 and not (self.dir / "meta.json").exists():
+            local_input = {"input_path": self.cfg.prepare_input} if self.cfg.prepare_input else {}
+            try:
+                importlib.import_module(f"data.{self.cfg.dataset}.prepare").prepare(
+                    out_dir=str(self.dir), **local_input)
+            except (OSError, ValueError, RuntimeError) as e:  # no corpus, not UTF-8, a full disk...
+                error = f"preparing {self.cfg.dataset} in {self.dir} failed: {e}"
+        agree_or_raise(error, world, "preparing the dataset failed on another rank: see its message")
+        if self.meta is None:
+            try:
+                self.meta = read_dataset(self.cfg)
+            except ConfigError as e:
+                error = str(e)
+        agree_or_raise(error, world, "the dataset check failed on another rank: see its message")
+        return self.meta

@@ -24,6 +24,15 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+    # Round the rows of the token embedding (= output layer) up to a multiple of this, so the
+    # largest matmul gets tensor-core friendly shapes on GPUs (50257 -> 50304 with 64). The
+    # padding rows start at zero and their logits are cut off, so they never get a gradient
+    # and nothing the model computes changes.
+    pad_vocab_to: int = 1
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // self.pad_vocab_to) * self.pad_vocab_to
 
 
 class KVCache:
@@ -121,6 +130,11 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.padded_vocab_size > config.vocab_size:  # padded after construction, so the
+            # random numbers drawn are the same as without padding
+            padding = config.padded_vocab_size - config.vocab_size
+            self.lm_head.weight = nn.Parameter(F.pad(self.lm_head.weight.detach(), (0, 0, 0, padding)))
+            self.lm_head.out_features = self.transformer.wte.num_embeddings = config.padded_vocab_size
         # Weight tying: the output projection is the token embedding (one tensor, counted once).
         self.transformer.wte.weight = self.lm_head.weight
 
@@ -132,20 +146,21 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            # of the token rows only the real ones are drawn; padding rows stay zero
+            rows = self.config.vocab_size if module.weight is self.lm_head.weight else None
+            nn.init.normal_(module.weight[:rows], mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def get_num_params(self, non_embedding=True):
-        """Number of parameters, the tied embedding counted once.
+        """Number of parameters, the tied embedding counted once and its padding rows not at all.
 
         With non_embedding, position embeddings are left out; token embeddings stay in because
         they are also the weights of the final layer.
         """
         n_params = sum(p.numel() for p in self.parameters())  # parameters() yields a tied tensor once
+        n_params -= (self.config.padded_vocab_size - self.config.vocab_size) * self.config.n_embd
         if non_embedding:
             n_params -= self.transformer.wpe.weight.numel()
         return n_params
@@ -161,13 +176,24 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)  # (B, T, C)
 
         if targets is not None:
-            logits = self.lm_head(x)  # (B, T, V)
+            logits = self.lm_head(x)  # (B, T, padded V)
+            if self.config.padded_vocab_size > self.config.vocab_size:
+                # -inf logits: the padding ids get probability 0 and a gradient of exactly 0.
+                # (Masking, not slicing: a slice's backward would write the padded gradient
+                # in a pass of its own; the mask fuses into the loss under torch.compile.)
+                padding = torch.arange(logits.size(-1), device=idx.device) >= self.config.vocab_size
+                logits = logits.masked_fill(padding, float('-inf'))
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            logits = logits[..., :self.config.vocab_size]  # (B, T, V)
         else:
             # Inference needs only the next token: skip the output layer for the other positions.
-            logits = self.lm_head(x[:, [-1], :])  # (B, 1, V)
+            logits = self.logits(x[:, [-1], :])  # (B, 1, V)
             loss = None
         return logits, loss
+
+    def logits(self, x):
+        """(B, T, C) -> (B, T, V): the output layer, without the padding rows' logits."""
+        return self.lm_head(x)[..., :self.config.vocab_size]  # (B, T, V)
 
     def _forward_cached(self, idx, caches, pos):
         """Logits (B, 1, V) after idx (B, T), whose tokens sit at positions pos..pos+T-1."""
@@ -177,7 +203,7 @@ class GPT(nn.Module):
         for block, cache in zip(self.transformer.h, caches):
             x = block(x, cache, pos)
         x = self.transformer.ln_f(x[:, [-1], :])  # (B, 1, C)
-        return self.lm_head(x)  # (B, 1, V)
+        return self.logits(x)  # (B, 1, V)
 
     def crop_block_size(self, block_size):
         """Shrink the context length, e.g. to fine-tune GPT-2 weights with a smaller block."""

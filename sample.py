@@ -20,8 +20,11 @@ from pathlib import Path
 import torch
 
 import checkpoint
-from checkpoint import UnreadableCheckpoint, first_line
-from data.common import load_meta, tokenizer_from_meta
+from checkpoint import UnreadableCheckpoint
+from data.dataset import load_meta
+from data.tokenizers import tokenizer_from_meta
+from errors import first_line
+from launch import auto_device
 from model import GPT, GPTConfig
 
 
@@ -103,8 +106,7 @@ def main(argv=None):
     if not out_dir.is_dir():
         fail(f"out_dir {out_dir} does not exist: train first (python train.py) or pass --out_dir")
     try:
-        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
-                              if args.device == "auto" else args.device)
+        device = auto_device() if args.device == "auto" else torch.device(args.device)
     except RuntimeError:
         fail(f"--device={args.device} is not a device torch knows: use auto, cpu, cuda, cuda:N or mps")
     if device.type == "cuda" and not torch.cuda.is_available():

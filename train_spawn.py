@@ -9,7 +9,6 @@ train.py's own entry point, so there is no second copy of the training code.
 
 import os
 import signal
-import socket
 import sys
 import traceback
 
@@ -17,13 +16,9 @@ import torch
 import torch.multiprocessing as mp
 
 import train
-from config import ConfigError, resolve
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from config import resolve
+from errors import ConfigError
+from launch import free_port
 
 
 def worker(rank: int, nproc: int, args: list[str]):

@@ -9,40 +9,9 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from train_spawn import free_port  # noqa: F401  (the tests' port picker too)
+from launch import free_port  # noqa: F401  (the tests' port picker too)
 
 REPO = Path(__file__).resolve().parent.parent
-AUDIT_HOOK = '''
-import os, sys
-_watch = os.environ.get("AUDIT_WATCH")
-_log = os.environ.get("AUDIT_LOG")
-_busy = False
-_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-
-def _hook(event, args):
-    global _busy
-    if _busy or not args:
-        return
-    if event == "open":
-        path, mode, flags = args
-        writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & _WRITE)
-        if not writes:
-            return
-    elif event not in ("os.rename", "os.link", "os.mkdir", "os.remove", "os.symlink"):
-        return
-    paths = [os.fsdecode(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]
-    if not any(os.path.abspath(p).startswith(_watch) for p in paths):
-        return
-    _busy = True
-    try:
-        with open(_log + "." + str(os.getpid()), "a") as f:
-            f.write(os.environ.get("RANK", "?") + "\\t" + event + "\\t" + paths[0] + "\\n")
-    finally:
-        _busy = False
-
-if _watch and _log:
-    sys.addaudithook(_hook)
-'''
 
 
 def make_char_dataset(folder: Path, n_chars: int = 60_000) -> Path:
@@ -79,9 +48,9 @@ def child_env(audit_dir: Path = None, watch: Path = None, **extra) -> dict:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                         "MASTER_PORT") and not k.startswith("SLURM_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if audit_dir is not None:
-        (audit_dir / "sitecustomize.py").write_text(AUDIT_HOOK)
-        env.update(PYTHONPATH=f"{audit_dir}{os.pathsep}{REPO}", AUDIT_WATCH=str(Path(watch).resolve()),
+    if audit_dir is not None:  # tests/audit/sitecustomize.py records the child's writes
+        env.update(PYTHONPATH=f"{REPO / 'tests' / 'audit'}{os.pathsep}{REPO}",
+                   AUDIT_WATCH=str(Path(watch).resolve()),
                    AUDIT_LOG=str(audit_dir / "writes"))
     env.update({k: str(v) for k, v in extra.items()})
     return env

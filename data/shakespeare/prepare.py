@@ -5,7 +5,7 @@
 Writes train.bin / val.bin (uint16) and meta.json into DIR (default: this folder). The corpus is
 the one data/shakespeare_char uses (or --input); the text is split 90/10 by characters, then each
 part is encoded, so no token straddles the split. The GPT-2 vocabulary comes from --bpe_file,
-$GPT2_TIKTOKEN_FILE, a verified cache, tiktoken, or the package index (see data/common.py).
+$GPT2_TIKTOKEN_FILE, a verified cache, tiktoken, or the package index (see data/tokenizers.py).
 """
 
 import sys
@@ -14,8 +14,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `data` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.common import (encode_with_progress, errors_exit_2, gpt2_encoding, load_corpus,
-                         prepare_parser, split_text, write_dataset)
+from data.corpora import errors_exit_2, load_corpus, prepare_parser, split_text
+from data.dataset import write_dataset
+from data.tokenizers import encode_with_progress, gpt2_encoding
 
 
 def prepare(out_dir=None, input_path=None, bpe_file=None) -> dict:

@@ -13,7 +13,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `data` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.common import errors_exit_2, load_corpus, prepare_parser, split_text, write_dataset
+from data.corpora import errors_exit_2, load_corpus, prepare_parser, split_text
+from data.dataset import write_dataset
 
 
 def prepare(out_dir=None, input_path=None) -> dict:

@@ -1,0 +1,130 @@
+"""Tokenizers: characters (the vocabulary stored in meta.json) and GPT-2's BPE through tiktoken.
+
+The GPT-2 vocabulary ships with the repo as data/gpt2.tiktoken (the file tiktoken calls
+r50k_base, as the openai-whisper package carries it; MIT licence), checked by sha256. Without it,
+it comes from a verified cache, tiktoken's own download, or the copy inside the openai-whisper
+source package on the Python package index.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from data.files import atomic_write_bytes, check_sha256, pip_download, sha256_bytes
+
+GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # = r50k_base
+WHISPER_PACKAGE = "openai-whisper==20250625"  # its sdist ships the GPT-2 vocabulary
+WHISPER_GPT2_MEMBER = "whisper/assets/gpt2.tiktoken"
+REPO_COPY = Path(__file__).resolve().parent / "gpt2.tiktoken"
+
+def gpt2_cache_path() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt-train" / "gpt2.tiktoken"
+
+
+def _gpt2_from_bpe(data: bytes):
+    """tiktoken's "gpt2" Encoding from verified gpt2.tiktoken bytes (what load_tiktoken_bpe parses)."""
+    import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str
+    ranks = {base64.b64decode(token): int(rank)
+             for token, rank in (line.split() for line in data.splitlines() if line)}
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+
+
+def _gpt2_bpe_from_whisper() -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        sdist = pip_download(["--no-binary", ":all:", WHISPER_PACKAGE], tmp)
+        with tarfile.open(sdist, "r:gz") as tar:
+            wanted = (m for m in tar if m.isfile() and m.name.split("/", 1)[-1] == WHISPER_GPT2_MEMBER)
+            member = next(wanted, None)
+            if member is None:
+                raise RuntimeError(f"{sdist.name} holds no {WHISPER_GPT2_MEMBER}")
+            data = tar.extractfile(member).read()
+    check_sha256(data, GPT2_TIKTOKEN_SHA256, f"{WHISPER_GPT2_MEMBER} from {WHISPER_PACKAGE}")
+    return data
+
+
+def gpt2_encoding(bpe_file=None):
+    """The GPT-2 tokenizer as a tiktoken.Encoding equal to tiktoken.get_encoding("gpt2").
+
+    Sources, in order: `bpe_file` or $GPT2_TIKTOKEN_FILE (a gpt2.tiktoken / r50k_base.tiktoken);
+    the copy in this repo, data/gpt2.tiktoken; the verified copy in ~/.cache/gpt-train; tiktoken's
+    own download; the copy inside the openai-whisper sdist on the package index. Local copies
+    are checked by sha256 (a given file that fails is an error; the others are skipped).
+    """
+    bpe_file = bpe_file or os.environ.get("GPT2_TIKTOKEN_FILE")
+    cache = gpt2_cache_path()
+    local = {path: path.read_bytes() for path in (REPO_COPY, cache) if path.is_file()}
+    verified = next((path for path, data in local.items() if sha256_bytes(data) == GPT2_TIKTOKEN_SHA256), None)
+    if bpe_file:
+        data = Path(bpe_file).read_bytes()
+        check_sha256(data, GPT2_TIKTOKEN_SHA256, f"{bpe_file} (should be GPT-2's gpt2.tiktoken = r50k_base)")
+        enc, how = _gpt2_from_bpe(data), f"local file {bpe_file}"
+    elif verified is not None:
+        enc, how = _gpt2_from_bpe(local[verified]), f"local file {verified}"
+    else:
+        for path in local:
+            print(f"note: ignoring {path}: its sha256 is not GPT-2's")
+        try:
+            import tiktoken
+            enc, how = tiktoken.get_encoding("gpt2"), "tiktoken"
+        except Exception as e:  # noqa: BLE001 - offline, blocked, or a broken tiktoken cache
+            print(f"tiktoken.get_encoding('gpt2') failed ({type(e).__name__}: {str(e)[:120]}); "
+                  f"taking the vocabulary from the {WHISPER_PACKAGE} sdist")
+            data = _gpt2_bpe_from_whisper()
+            atomic_write_bytes(cache, data)
+            enc, how = _gpt2_from_bpe(data), f"{WHISPER_PACKAGE} sdist via pip download (cached in {cache})"
+    if enc.encode("hello world") != [31373, 995] or enc.n_vocab != 50257:
+        raise RuntimeError(f"the GPT-2 encoding from {how} does not behave like GPT-2's")
+    print(f"gpt2 tokenizer: {how}", file=sys.stderr)  # a diagnostic, not sample text
+    return enc
+
+
+_PARAGRAPH_CUT = re.compile(r"(?<=\S\n)(?=\n\S)")  # between the newlines of "a\n\nB"
+
+
+def encode_with_progress(enc, text: str, desc: str = "encoding", chunk_chars: int = 1 << 16) -> list:
+    """enc.encode_ordinary(text), a chunk of paragraphs at a time, with a progress bar.
+
+    Chunks end between the two newlines of "a\\n\\nB", where the GPT-2 pre-tokenizer
+    splits anyway, so the ids are the same as encoding the whole text at once."""
+    ids, start = [], 0
+    with tqdm(total=len(text), desc=desc, unit="char", unit_scale=True, disable=None) as bar:
+        while start < len(text):
+            cut = _PARAGRAPH_CUT.search(text, start + chunk_chars)
+            end = cut.start() if cut else len(text)
+            ids += enc.encode_ordinary(text[start:end])
+            bar.update(end - start)
+            start = end
+    return ids
+
+
+def tokenizer_from_meta(meta: dict) -> tuple:
+    """(encode, decode) for a dataset: encode(str) -> list[int], decode(list[int]) -> str."""
+    if meta["tokenizer"] == "char":
+        chars = meta["chars"]
+        stoi = {c: i for i, c in enumerate(chars)}
+
+        def encode(text: str) -> list:
+            unknown = sorted(set(text) - stoi.keys())
+            if unknown:
+                raise ValueError(f"characters not in the vocabulary: {', '.join(map(repr, unknown))}")
+            return [stoi[c] for c in text]
+
+        def decode(ids) -> str:
+            return "".join(chars[int(i)] for i in ids)
+
+        return encode, decode
+    if meta["tokenizer"] == "gpt2":
+        enc = gpt2_encoding()
+        return (lambda text: enc.encode(text, allowed_special={"<|endoftext|>"}),
+                lambda ids: enc.decode([int(i) for i in ids]))
+    raise ValueError(f"unknown tokenizer {meta['tokenizer']!r} in meta.json")

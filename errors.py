@@ -1,0 +1,76 @@
+"""What a user reads when a run cannot go on: two kinds of failure, and the long messages.
+
+ConfigError: a config, command-line, data or checkpoint problem, found before anything was
+trained; fix it and run again (exit status 2). RunError: the run started and failed (a lost
+peer, a diverged loss, a checkpoint that could not be written); last.pt holds the last good
+step (exit status 1). train.cli prints either as one line starting with "error:".
+
+Messages longer than a line live here, each with the exception that carries it, so the code
+that raises them reads as control flow.
+"""
+
+import socket
+
+
+class ConfigError(ValueError):
+    """A config problem the user can fix: the message says what and how."""
+
+
+class RunError(RuntimeError):
+    """A failed run the user must act on (a lost peer, a diverged loss): a message, exit status 1."""
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    return (str(e).splitlines() or [""])[0][:limit]
+
+
+class GlobalBatchIndivisible(ConfigError):
+    def __init__(self, global_batch_size: int, batch_size: int, world_size: int):
+        per_round = batch_size * world_size
+        near = max(per_round, round(global_batch_size / per_round) * per_round)
+        super().__init__(
+            f"global_batch_size ({global_batch_size}) must be divisible by batch_size ({batch_size}) "
+            f"x world size ({world_size}) = {per_round}: try --global_batch_size={near}")
+
+
+class OutDirUnwritable(ConfigError):
+    def __init__(self, out_dir, e: OSError):
+        super().__init__(f"out_dir {out_dir} cannot be written ({e.strerror or e}): choose another "
+                         f"--out_dir or fix its permissions")
+
+
+class GroupNotFormed(RunError):
+    def __init__(self, rank: int, world_size: int, address: str, dist_timeout: float, e: Exception):
+        super().__init__(
+            f"rank {rank} on {socket.gethostname()} could not form the process group of {world_size} "
+            f"ranks at {address} within dist_timeout={dist_timeout:g}s ({first_line(e, 300)}). Check "
+            f"that every host started its ranks with the same MASTER_ADDR, MASTER_PORT and "
+            f"WORLD_SIZE; that {address} is reachable from every host (address, port, firewall); and "
+            f"that GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name the network interface that links "
+            f"the hosts.")
+
+
+class CollectiveFailed(RunError):
+    def __init__(self, rank: int, where: str, dist_timeout: float, e: Exception):
+        super().__init__(
+            f"rank {rank} on {socket.gethostname()}, {where}: a collective timed out or failed "
+            f"({first_line(e, 300)}). A peer process died or the network between hosts is down "
+            f"(dist_timeout={dist_timeout:g}s). The last checkpoint is last.pt in rank 0's out_dir, "
+            f"on rank 0's host: relaunch with resume=auto to continue.")
+
+
+class Diverged(RunError):
+    def __init__(self, what: str, learning_rate: float, saved_step):
+        kept = (f"last.pt holds step {saved_step}, the last good one" if saved_step is not None
+                else "no checkpoint of this run was written yet")
+        super().__init__(
+            f"{what}. Likely causes: a learning rate too high (learning_rate={learning_rate:g}: try "
+            f"a smaller one or a longer warmup), float16 overflow (try --dtype=bfloat16), or bad "
+            f"data. Nothing was saved from this state: {kept}.")
+
+
+class CheckpointNotWritten(RunError):
+    def __init__(self, step: int, failure: str):
+        super().__init__(
+            f"rank 0 could not write a checkpoint at step {step} ({failure}). The previous last.pt "
+            f"is intact: free disk space or choose another out_dir, then relaunch with resume=auto.")

@@ -1,0 +1,313 @@
+"""Where this process stands: its rank in the world, its device and dtype, and the process group.
+
+Ranks come from the launcher's environment, in this order: torchrun or hand-set variables
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), SLURM's inside an srun step
+(SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), else a single process. train_spawn.py sets the
+torchrun variables for its children, and the legacy --local_rank=N argument is turned into
+LOCAL_RANK.
+
+The rule that governs start-up: every problem a rank can find by itself (a config typo, a
+broken dataset, a dtype the device cannot run) is found before the process group forms, on
+every rank alike, so each rank fails at once instead of leaving its peers waiting out
+dist_timeout. Whatever only one rank can know after that (rank 0's checkpoint, one host's
+data preparation, a SIGTERM, a failed save) is agreed on by all ranks (any_rank) before
+anyone acts on it, for the same reason.
+"""
+
+import gc
+import os
+import re
+import signal
+import socket
+import threading
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from errors import CollectiveFailed, ConfigError, GroupNotFormed, RunError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class World:
+    rank: int = 0
+    local_rank: int = 0
+    size: int = 1
+    local_size: int = 1
+    group: object = None  # a gloo group for small CPU messages (the default group unless NCCL)
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+
+def any_rank(flag: bool, world: World) -> bool:
+    """True on every rank when `flag` is True on any: one tiny all-reduce over the gloo group.
+
+    Every rank must call it, so it is also a barrier. It exists for decisions only some ranks
+    can make (rank 0 failed to save, one host's data is bad, a SIGTERM reached one process):
+    a rank that acted alone would leave the others blocked in their next collective until
+    dist_timeout, and then report a lost peer instead of the real problem.
+    """
+    if world.size == 1:
+        return flag
+    votes = torch.tensor([int(flag)])
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=world.group)
+    return bool(votes.item())
+
+
+def agree_or_raise(error, world: World, elsewhere: str):
+    """Raise ConfigError on every rank if any rank has an error; the others say `elsewhere`."""
+    if any_rank(error is not None, world):
+        raise ConfigError(error or elsewhere)
+
+
+# -----------------------------------------------------------------------------
+# ranks
+
+def slurm_first_host(nodelist: str) -> str:
+    """First host of a SLURM node list, as `scontrol show hostnames` orders them:
+    'gpu[03-05,07],cpu1' -> 'gpu03', 'rack[2-3]-n[1-4]' -> 'rack2-n1'."""
+    first = re.split(r",(?![^\[]*\])", nodelist)[0]  # a comma inside brackets does not split
+    return re.sub(r"\[(\d+)[^\]]*\]", r"\1", first)  # each range starts at its first value
+
+
+def slurm_tasks_per_node(counts: str) -> list[int]:
+    """SLURM's compressed task counts, one per node: '4(x2),3' -> [4, 4, 3]."""
+    per_node = []
+    for part in counts.split(","):
+        n, _, repeat = part.partition("(x")
+        per_node += [int(n)] * int(repeat.rstrip(")") or 1)
+    return per_node
+
+
+def find_world() -> World:
+    """Read ranks from torchrun or manual variables, else from SLURM, else one process."""
+    env = os.environ
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+             "SLURM_LOCALID", "SLURM_NODEID")
+    bad = {k: env[k] for k in names if k in env and not env[k].isdigit()}
+    if bad:
+        raise ConfigError(f"rank variables must be whole numbers, got {bad}: check the launch command")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        size = int(env["WORLD_SIZE"])
+        return World(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), size,
+                     int(env.get("LOCAL_WORLD_SIZE", size)))
+    # Only inside a step that srun launched: an sbatch script itself also sees SLURM_PROCID=0
+    # and SLURM_NTASKS=N, but no peer would ever join it.
+    if "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        # rank 0 runs on the step's first node, which need not be the job's first
+        nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        env.setdefault("MASTER_ADDR", slurm_first_host(nodes))
+        env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
+        per_node = slurm_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", env["SLURM_NTASKS"]))
+        return World(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)),
+                     int(env["SLURM_NTASKS"]), per_node[int(env.get("SLURM_NODEID", 0))])
+    return World()
+
+
+def strip_local_rank(argv: list[str]) -> list[str]:
+    """Accept torch.distributed.launch's --local-rank=N / --local_rank N and export LOCAL_RANK."""
+    rest, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if name in ("--local-rank", "--local_rank"):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            if not value.isdigit():
+                raise ConfigError(f"{name} needs a number, e.g. {name}=0, got {value!r}")
+            i += 1 if "=" in arg else 2
+            os.environ.setdefault("LOCAL_RANK", value)
+            continue
+        rest.append(arg)
+        i += 1
+    return rest
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for MASTER_PORT on one host)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -----------------------------------------------------------------------------
+# device, dtype, backend
+
+def auto_device(local_rank: int = 0, world_size: int = 1) -> torch.device:
+    """cuda:LOCAL_RANK where CUDA exists, else Apple's mps for a single process, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
+    if world_size == 1 and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_device(name: str, world: World) -> torch.device:
+    if name == "auto":
+        return auto_device(world.local_rank, world.size)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device {name!r} is not one this trainer runs on: use auto, cpu, "
+                          f"cuda, cuda:N or mps")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device=cuda but CUDA is not available here: use --device=cpu")
+        return torch.device("cuda", world.local_rank if device.index is None else device.index)
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device=mps but MPS is not available here: use --device=cpu")
+    return device
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    dtype = DTYPES[name]
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("this GPU cannot run bfloat16: use --dtype=float16")
+    if dtype != torch.float32 and not autocast_runs(device, dtype):
+        raise ConfigError(f"dtype={name} cannot run on {device} here (autocast does not support "
+                          f"it): use --dtype=float32 or --dtype=auto")
+    return dtype
+
+
+def autocast_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a matmul under autocast on `device` really computes in `dtype`. Where the dtype
+    is unsupported, autocast warns and turns itself off rather than failing."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.autocast(device.type, dtype=dtype):
+                a = torch.ones(2, 2, device=device)
+                return (a @ a).dtype == dtype
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+def pick_backend(name: str, device: torch.device) -> str:
+    backend = name if name != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if not dist.is_backend_available(backend):
+        raise ConfigError(f"backend '{backend}' is not available in this torch build: use gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("backend nccl needs CUDA devices: use --backend=gloo on CPU")
+    return backend
+
+
+def use_device(device: torch.device, dtype: torch.dtype, world: World):
+    """Make `device` this process's own: its GPU, or its share of the host's CPU cores."""
+    if device.type == "cpu":  # ranks on one host share its cores
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, cores // world.local_size))
+    elif device.type == "cuda":
+        torch.cuda.set_device(device)
+        # A mixed-precision run may do what float32 matmuls are left in TF32 on tensor cores;
+        # a float32 run asked for float32 and keeps it.
+        torch.backends.cuda.matmul.allow_tf32 = dtype != torch.float32
+        torch.backends.cudnn.allow_tf32 = dtype != torch.float32
+
+
+# -----------------------------------------------------------------------------
+# signals and failures
+
+class StopSignal:
+    """SIGTERM (a scheduler's preemption, torchrun passing it on) asks the run to stop
+    at the next step boundary; all ranks agree on it, so they stop together."""
+
+    def __init__(self):
+        self.received = False
+        self.previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # only there can it be set
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+    def agreed(self, world: World) -> bool:
+        return any_rank(self.received, world)
+
+
+COMM_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "socket", "peer", "closed")
+
+
+@contextmanager
+def collective_failures_explained(world: World, dist_timeout: float, where):
+    """Turn a timed-out or broken collective into a message that says what to do.
+    `where()` names the moment (it is called only on failure)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if world.size == 1 or isinstance(e, RunError) or not (
+                isinstance(e, dist.DistError) or any(w in str(e).lower() for w in COMM_WORDS)):
+            raise
+        raise CollectiveFailed(world.rank, where(), dist_timeout, e) from None
+
+
+# -----------------------------------------------------------------------------
+# the process group
+
+def _join(world: World, backend: str, dist_timeout: float):
+    """init_process_group, with a message that says what to check when peers never come."""
+    address = (f"{os.environ.get('MASTER_ADDR', '(MASTER_ADDR unset)')}:"
+               f"{os.environ.get('MASTER_PORT', '(MASTER_PORT unset)')}")
+    timeout = timedelta(seconds=dist_timeout)
+    try:
+        store, _, _ = next(dist.rendezvous("env://", world.rank, world.size, timeout=timeout))
+        # torchrun restarts a failed group against the same store, where the previous attempt's
+        # addresses linger: a new rank could read a dead peer's and fail. A prefix per attempt
+        # keeps each attempt's keys apart.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
+                                rank=world.rank, world_size=world.size, timeout=timeout)
+    except (RuntimeError, ValueError) as e:  # torch's DistError family is RuntimeError
+        raise GroupNotFormed(world.rank, world.size, address, dist_timeout, e) from None
+    # Small CPU messages (stop flags, RNG states, checkpoint bytes) go through gloo, also under NCCL.
+    world.group = dist.new_group(backend="gloo") if backend != "gloo" else None
+
+
+def _check_group(world: World, device: torch.device, backend: str):
+    """One small all-reduce with a known answer, so a broken fabric fails now, not at step 500."""
+    probe = torch.tensor([world.rank + 1.0], device=device)
+    dist.all_reduce(probe)
+    expected = world.size * (world.size + 1) / 2
+    if probe.item() != expected:
+        raise RunError(f"the startup all-reduce over {backend} gave {probe.item()}, not "
+                       f"{expected}: the connection between ranks is broken")
+
+
+@contextmanager
+def process_group(world: World, device: torch.device, backend: str, dist_timeout: float):
+    """The process group for this launch, checked, and always torn down (a single process
+    forms none). Every rank prints one line saying where it stands."""
+    if world.size > 1:
+        _join(world, backend, dist_timeout)
+    print(f"host {socket.gethostname()} | rank {world.rank} | local rank {world.local_rank} | "
+          f"world size {world.size} | device {device} | backend {backend if world.size > 1 else 'none'}",
+          flush=True)
+    try:
+        with collective_failures_explained(world, dist_timeout, lambda: "before the first step"):
+            if world.size > 1:
+                _check_group(world, device, backend)
+            yield
+    finally:
+        if dist.is_initialized():
+            # DDP sits in reference cycles; if it outlives the group, gloo's threads can
+            # abort the process at exit ("terminate called without an active exception")
+            gc.collect()
+            dist.destroy_process_group()

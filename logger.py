@@ -1,0 +1,89 @@
+"""Rank 0's voice: a tqdm bar on a terminal, plain lines otherwise, metrics.jsonl, wandb.
+
+Every other rank holds a Logger too, one that says nothing, so the loop has no rank branches.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from data.files import atomic_write, atomic_write_bytes
+
+
+class Logger:
+
+    def __init__(self, cfg, resumed_step, enabled: bool, tokens_per_step: int, estimate_mfu=None):
+        """`resumed_step`: the step a resumed run starts from (None for a fresh run).
+        `estimate_mfu(sequences, seconds)`: the model's MFU for that work, or None."""
+        self.enabled = enabled
+        self.tokens_per_step, self.estimate_mfu = tokens_per_step, estimate_mfu
+        self.bar = self.wandb = None
+        self.restart_clock(resumed_step or 0)
+        if not enabled:
+            return
+        self.metrics = Path(cfg.out_dir) / "metrics.jsonl"
+        if self.metrics.exists():  # a fresh run starts a new log; a resumed one drops the
+            # steps after its checkpoint, which it is about to run again
+            kept = [line for line in self.metrics.read_text().splitlines() if resumed_step is not None
+                    and line and json.loads(line)["step"] <= resumed_step]
+            atomic_write(self.metrics, lambda f: f.write("".join(l + "\n" for l in kept).encode()))
+        if sys.stdout.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=cfg.max_iters, initial=resumed_step or 0, dynamic_ncols=True)
+        if cfg.wandb_log:
+            import wandb
+            self.wandb = wandb.init(project=cfg.wandb_project, config=cfg.to_dict(), dir=cfg.out_dir,
+                                    name=cfg.wandb_run_name or Path(cfg.out_dir).name)
+
+    def write_run_files(self, cfg, meta: dict, run_info: dict):
+        """config.json (the resolved config and how the run was launched) and the dataset's
+        meta.json beside the checkpoints, so a run explains itself; and the config, printed."""
+        if not self.enabled:
+            return
+        for name, obj in (("config.json", {"config": cfg.to_dict(), "run": run_info}), ("meta.json", meta)):
+            atomic_write_bytes(Path(cfg.out_dir) / name, (json.dumps(obj, indent=2) + "\n").encode())
+        self.say(json.dumps(cfg.to_dict(), indent=1))
+
+    def say(self, text: str):
+        if self.bar:
+            self.bar.write(text)
+        elif self.enabled:
+            print(text, flush=True)
+
+    def log(self, record: dict, text: str):
+        if not self.enabled:
+            return
+        with open(self.metrics, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb:
+            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        self.say(text)
+
+    def restart_clock(self, step: int):
+        """Throughput counts training time only: call after anything else (an eval, a save)."""
+        self.clock, self.clock_step = time.time(), step
+
+    def train_step(self, step: int, loss: float, lr: float, grad_norm, sequences_per_step: int):
+        """Log a step's loss (already reduced over ranks) with the throughput since the last log."""
+        elapsed, steps = time.time() - self.clock, step - self.clock_step
+        self.restart_clock(step)
+        record = {"step": step, "loss": loss, "lr": lr, "tokens_per_sec": steps * self.tokens_per_step / elapsed}
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
+        text = f"step {step}: loss {loss:.4f}, lr {lr:.2e}, {record['tokens_per_sec']:,.0f} tok/s"
+        mfu = self.estimate_mfu(sequences_per_step * steps, elapsed) if self.estimate_mfu else None
+        if mfu is not None:
+            record["mfu"] = mfu
+            text += f", mfu {mfu * 100:.1f}%"
+        self.log(record, text)
+
+    def advance(self, step: int):
+        if self.bar:
+            self.bar.update(step - self.bar.n)
+
+    def close(self):
+        if self.bar:
+            self.bar.close()
+        if self.wandb:
+            self.wandb.finish()
