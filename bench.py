@@ -1,0 +1,331 @@
+"""Measure training speed: throughput, step time, communication, memory, MFU and scaling.
+
+    python bench.py                                        # the default config on 1 and 2 processes
+    python bench.py --nproc=1,2,4 --batch_size=8 --steps=20 --report=bench/cpu
+    python bench.py configs/gpt_small.py --nproc=1 --steps=30 --warmup=10 --report=bench/h100
+    python bench.py configs/gpt_small.py --nproc=1 --profile  # also: where a step's time goes
+
+Arguments are train.py's (a config file, --name=value overrides) plus --nproc=N[,N...],
+--strategies=ddp[,...], --steps, --warmup, --report=DIR and --profile. Every combination of
+strategy and process count is a real run: torchrun starts `bench.py --worker` on this host,
+which builds the model, optimizer, scaler and loader with train.py's build_run and times
+train.py's own optimizer step. Warm-up steps (compilation included) are not timed.
+
+The data is synthetic by default (uniform random GPT-2 token ids), so no dataset is needed;
+give --dataset=NAME or --data_dir=DIR to read real data. Under another launcher (several
+hosts, SLURM), run the worker with it: `torchrun ... bench.py --worker --result=FILE ...`;
+rank 0 writes the run's figures to FILE.
+
+Figures: tokens/s = tokens per optimizer step / mean step time (the slowest rank's, per step);
+comm share = 1 - (step time with the gradient all-reduce skipped on every micro-step) / (step
+time with it), the share of a step spent waiting on communication that compute did not hide;
+peak memory per rank (CUDA's max allocated, or the process's peak RSS on the CPU); the model
+state each rank holds (parameters, gradients, optimizer moments); MFU on GPUs with a known
+peak; scaling efficiency = tokens/s on N processes / (N x tokens/s on one), same global batch.
+"""
+
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from config import FIELD_TYPES, resolve
+from data.dataset import write_dataset
+from errors import ConfigError, RunError
+from launch import (World, any_rank, find_world, pick_backend, pick_device, pick_dtype, process_group,
+                    use_device)
+from loader import Dataset
+from train import accumulation_steps, build_run, optimizer_step
+
+REPO = Path(__file__).resolve().parent
+STRATEGIES = ("ddp", "fsdp") if "strategy" in FIELD_TYPES else ("ddp",)
+GPT2_VOCAB = 50257
+
+
+# -----------------------------------------------------------------------------
+# one measured run (every rank runs this)
+
+def synthetic_data(cfg, world: World, folder: Path, n_train: int) -> Path:
+    """Uniform random GPT-2 token ids, written once per host by its local rank 0."""
+    folder = folder / f"synthetic-{n_train}"
+    if world.local_rank == 0 and not (folder / "meta.json").exists():
+        rng = np.random.default_rng(0)
+        write_dataset(folder, rng.integers(0, GPT2_VOCAB, n_train), rng.integers(0, GPT2_VOCAB, 4 * cfg.block_size),
+                      {"vocab_size": GPT2_VOCAB, "tokenizer": "gpt2",
+                       "source": {"name": "synthetic: uniform random token ids"}})
+    any_rank(False, world)  # a barrier: the data exists before any rank reads it
+    return folder
+
+
+def timed_steps(run, n: int, device, sync: bool = True) -> list:
+    """Seconds per optimizer step, each ended by a device synchronisation."""
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        optimizer_step(run, sync)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def slowest_rank(times: list, world: World) -> list:
+    """Per step, the slowest rank's time: a step is done when every rank is."""
+    t = torch.tensor(times, dtype=torch.float64)
+    if world.size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.group)
+    return t.tolist()
+
+
+def per_rank(value: float, world: World) -> list:
+    t = torch.zeros(world.size, dtype=torch.float64)
+    t[world.rank] = value
+    if world.size > 1:
+        dist.all_reduce(t, group=world.group)
+    return t.tolist()
+
+
+def state_bytes(run) -> dict:
+    """Bytes of model state this rank holds: parameters, their gradients, optimizer moments."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard, or the tensor
+    size = lambda t: local(t).numel() * local(t).element_size()
+    params = sum(size(p) for p in run.raw_model.parameters())
+    optimizer = sum(size(v) for s in run.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    return {"parameters": params, "gradients": params, "optimizer": optimizer}
+
+
+def profile_steps(run, device, out: Path, steps: int = 3):
+    """A table of the ops and kernels of a few steps, by device time, and totals by kind."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        timed_steps(run, steps, device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+    kinds = {}
+    for event in prof.key_averages():
+        if device.type == "cuda" and event.device_type != DeviceType.CUDA:
+            continue  # on a GPU, count the kernels themselves (an op's time is its kernels')
+        time_us = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
+        kind = next((k for k, words in KERNEL_KINDS if any(w in event.key.lower() for w in words)), "other")
+        kinds[kind] = kinds.get(kind, 0) + time_us
+    total = sum(kinds.values()) or 1
+    summary = "\n".join(f"{k:>14}: {v / 1e3 / steps:9.2f} ms/step  {v / total:6.1%}"
+                        for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    (out / "profile.txt").write_text(f"{table}\n\ndevice time by kind, per optimizer step:\n{summary}\n")
+    print(table, f"\ndevice time by kind, per optimizer step:\n{summary}", flush=True)
+
+
+# Kernel and op names by kind, for the profile summary (the first match wins).
+KERNEL_KINDS = [
+    ("communication", ("nccl", "gloo", "allreduce", "all_reduce", "reduce_scatter", "allgather")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("optimizer", ("adam", "foreach", "multi_tensor")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addmm", "aten::bmm", "linear")),
+    ("loss", ("cross_entropy", "log_softmax", "nll")),
+    ("fused (triton)", ("triton",)),
+    ("memcpy/fill", ("memcpy", "memset", "fill", "copy")),
+]
+
+
+def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir, profile_dir):
+    cfg = resolve(cfg_args + ["--resume=never", f"--out_dir={tempfile.gettempdir()}/gpt-train-bench-out"])
+    world = find_world()
+    device = pick_device(cfg.device, world)
+    dtype = pick_dtype(cfg.dtype, device)
+    backend = pick_backend(cfg.backend, device)
+    accum = accumulation_steps(cfg, world)
+    use_device(device, dtype, world)
+    with process_group(world, device, backend, cfg.dist_timeout):
+        if synthetic_dir:
+            n_train = (warmup + 2 * steps + 2) * cfg.global_batch_size * cfg.block_size + cfg.block_size
+            cfg.data_dir = str(synthetic_data(cfg, world, Path(synthetic_dir), n_train))
+        meta = Dataset(cfg).ready(world)
+        run = build_run(cfg, world, device, dtype, accum, meta)
+        timed_steps(run, warmup, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = slowest_rank(timed_steps(run, steps, device), world)
+        peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+        held = state_bytes(run)
+        nosync = None
+        if world.size > 1:  # the same steps with no gradient communication at all
+            timed_steps(run, 1, device, sync=False)
+            nosync = slowest_rank(timed_steps(run, steps, device, sync=False), world)
+        if profile_dir and world.is_master:
+            profile_steps(run, device, Path(profile_dir))
+        figures = dict(
+            world_size=world.size, accumulation_steps=accum, tokens_per_step=run.tokens_per_step,
+            step_times=times, step_times_nosync=nosync, peak_memory=per_rank(peak, world),
+            memory_kind="cuda max allocated" if device.type == "cuda" else "peak RSS",
+            state_bytes=held, sequences_per_rank_step=cfg.batch_size * accum,
+            mfu=run.raw_model.estimate_mfu(cfg.batch_size * accum, statistics.mean(times),
+                                           cfg.peak_flops or None) if device.type == "cuda" else None,
+            device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            dtype=str(dtype).removeprefix("torch."), backend=backend, compile=cfg.compile,
+            config=cfg.to_dict(), data="synthetic" if synthetic_dir else str(cfg.data_dir or cfg.dataset))
+        if world.is_master:
+            result.write_text(json.dumps(figures, indent=1))
+
+
+# -----------------------------------------------------------------------------
+# the benchmark: one torchrun per combination, then the report
+
+def summarise(strategy: str, nproc: int, f: dict) -> dict:
+    mean = statistics.mean(f["step_times"])
+    return dict(strategy=strategy, nproc=nproc, global_batch_size=f["config"]["global_batch_size"],
+                batch_size=f["config"]["batch_size"], accumulation_steps=f["accumulation_steps"],
+                tokens_per_step=f["tokens_per_step"], step_time_s=mean,
+                step_time_std_s=statistics.pstdev(f["step_times"]), step_time_min_s=min(f["step_times"]),
+                step_time_max_s=max(f["step_times"]), tokens_per_sec=f["tokens_per_step"] / mean,
+                comm_share=(max(0.0, 1 - statistics.mean(f["step_times_nosync"]) / mean)
+                            if f["step_times_nosync"] else 0.0),
+                peak_memory_bytes=max(f["peak_memory"]), memory_kind=f["memory_kind"],
+                state_bytes=f["state_bytes"], mfu=f["mfu"], raw=f)
+
+
+def add_scaling(rows: list):
+    for row in rows:
+        base = next((r for r in rows if r["strategy"] == row["strategy"] and r["nproc"] == 1), None)
+        row["scaling_efficiency"] = (row["tokens_per_sec"] / (row["nproc"] * base["tokens_per_sec"])
+                                     if base else None)
+
+
+def markdown(rows: list, info: dict) -> str:
+    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    pct = lambda v: "-" if v is None else f"{v * 100:.1f}%"
+    lines = [f"{info['device']} | torch {info['torch']} | {info['host']} | {info['data']} data | "
+             f"dtype {info['dtype']} | compile {info['compile']}", "",
+             "| strategy | processes | global batch (accum) | tokens/s | step time | comm share | "
+             f"memory per rank ({info['memory_kind']}) | MFU | scaling efficiency |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['strategy']} | {r['nproc']} | {r['global_batch_size']} ({r['accumulation_steps']}) | "
+                     f"{r['tokens_per_sec']:,.0f} | {r['step_time_s'] * 1e3:,.1f} ms ± "
+                     f"{r['step_time_std_s'] * 1e3:,.1f} | {pct(r['comm_share'])} | "
+                     f"{gib(r['peak_memory_bytes'])} | {pct(r['mfu'])} | {pct(r['scaling_efficiency'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list, path: Path, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        mine = sorted((r for r in rows if r["strategy"] == strategy), key=lambda r: r["nproc"])
+        n = [r["nproc"] for r in mine]
+        ax1.plot(n, [r["tokens_per_sec"] for r in mine], "o-", label=strategy)
+        if all(r["scaling_efficiency"] is not None for r in mine):
+            ax2.plot(n, [r["scaling_efficiency"] * 100 for r in mine], "o-", label=strategy)
+    nprocs = sorted({r["nproc"] for r in rows})
+    ax2.axhline(100, color="grey", linestyle=":", label="ideal")
+    for ax, ylabel in ((ax1, "tokens / s"), (ax2, "scaling efficiency (%)")):
+        ax.set_xlabel("processes")
+        ax.set_ylabel(ylabel)
+        ax.set_xticks(nprocs)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax1.set_ylim(bottom=0)
+    ax2.set_ylim(0, 110)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_list(name: str, text: str, parse, allowed=None, minimum: int = 1) -> list:
+    try:
+        values = [parse(v) for v in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--{name}={text}: give a number, or a comma-separated list") from None
+    bad = [v for v in values if (allowed is not None and v not in allowed) or (parse is int and v < minimum)]
+    if bad:
+        raise ConfigError(f"--{name}={text}: {bad} not allowed" +
+                          (f" (choose from {', '.join(allowed)})" if allowed else f" (at least {minimum})"))
+    return values
+
+
+def main(argv=None):
+    args = sys.argv[1:] if argv is None else list(argv)
+    opts = {"nproc": "1,2", "strategies": "ddp", "steps": "10", "warmup": "3", "report": "out-bench",
+            "result": "", "synthetic_dir": ""}
+    flags = {"--worker": False, "--profile": False}
+    cfg_args = []
+    for arg in args:
+        name, eq, value = arg[2:].partition("=")
+        if arg in flags:
+            flags[arg] = True
+        elif arg.startswith("--") and name in opts and eq:
+            opts[name] = value
+        else:
+            cfg_args.append(arg)
+    steps, warmup = parse_list("steps", opts["steps"], int)[0], parse_list("warmup", opts["warmup"], int, minimum=0)[0]
+    if flags["--worker"]:
+        synthetic = opts["synthetic_dir"] or (None if any(a.startswith(("--dataset=", "--data_dir="))
+                                                          for a in cfg_args) else tempfile.gettempdir())
+        return worker(cfg_args, steps, warmup, Path(opts["result"] or "bench-result.json"), synthetic,
+                      opts["report"] if flags["--profile"] else None)
+
+    nprocs = parse_list("nproc", opts["nproc"], int)
+    strategies = parse_list("strategies", opts["strategies"], str, STRATEGIES)
+    cfg = resolve(cfg_args)  # a bad config fails here, once
+    for n in nprocs:
+        if cfg.global_batch_size % (cfg.batch_size * n):
+            raise ConfigError(f"global_batch_size ({cfg.global_batch_size}) cannot be split over {n} "
+                              f"processes of batch_size {cfg.batch_size}: choose --nproc or --batch_size")
+    report = Path(opts["report"])
+    report.mkdir(parents=True, exist_ok=True)
+    synthetic = not any(a.startswith(("--dataset=", "--data_dir=")) for a in cfg_args)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for strategy in strategies:
+            for n in nprocs:
+                result = Path(tmp) / f"{strategy}-{n}.json"
+                extra = [f"--strategy={strategy}"] if "strategy" in FIELD_TYPES else []
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                       str(REPO / "bench.py"), "--worker", f"--result={result}", f"--steps={steps}",
+                       f"--warmup={warmup}", f"--report={report}", *cfg_args, *extra]
+                cmd += [f"--synthetic_dir={tmp}"] if synthetic else []
+                cmd += ["--profile"] if flags["--profile"] else []
+                print(f"--- {strategy}, {n} process{'es' if n > 1 else ''}", flush=True)
+                proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                if proc.returncode:
+                    raise ConfigError(f"the {strategy} run on {n} processes failed (exit {proc.returncode}): "
+                                      f"see its output above")
+                rows.append(summarise(strategy, n, json.loads(result.read_text())))
+    add_scaling(rows)
+    first = rows[0]["raw"]
+    info = dict(torch=torch.__version__, device=first["device"], host=socket.gethostname(),
+                data=first["data"], dtype=first["dtype"], compile=first["compile"],
+                memory_kind=first["memory_kind"], steps=steps, warmup=warmup,
+                command=" ".join(["python", "bench.py", *args]), cpus=os.cpu_count())
+    (report / "bench.json").write_text(json.dumps({"info": info, "config": first["config"],
+                                                   "runs": rows}, indent=1) + "\n")
+    table = markdown(rows, info)
+    (report / "bench.md").write_text(f"`{info['command']}`\n\n{table}")
+    plot(rows, report / "bench.png", f"{info['device']}, {info['dtype']}, global batch "
+         f"{rows[0]['global_batch_size']} x {first['config']['block_size']} tokens")
+    print(table + f"report: {report}/bench.json, bench.md, bench.png", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ConfigError, RunError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2 if isinstance(e, ConfigError) else 1)
