@@ -1,15 +1,19 @@
 """Token data for training and evaluation, read through np.memmap.
 
-An epoch cuts the token file into windows of block_size + 1 tokens at a stride
-of block_size, starting from an offset in [0, block_size) drawn for that
-epoch. The windows are shuffled by a permutation seeded by (seed, epoch), and,
-like torch's DistributedSampler, rank r of W takes positions r, r+W, r+2W, ...
-of that order. Each optimizer step consumes the next global_batch_size
-positions, whatever the world size and the number of micro-steps, so a run on
-1 process with 4 accumulation steps sees exactly the windows a run on 4
-processes with 1 step sees. The tail of an epoch too short for a whole
-optimizer step is dropped. A dataset with fewer windows than one optimizer
-step makes each epoch of several shuffled passes, so a step can still be full.
+A split is one token file or many shards, concatenated in one coordinate: a
+window's start is its position in that concatenation, and no window crosses a
+shard end. An epoch cuts each shard into windows of block_size + 1 tokens at a
+stride of block_size, starting from an offset in [0, block_size) drawn for that
+epoch. The windows of all shards are shuffled by one permutation seeded by
+(seed, epoch), and, like torch's DistributedSampler, rank r of W takes
+positions r, r+W, r+2W, ... of that order. Each optimizer step consumes the
+next global_batch_size positions, whatever the world size and the number of
+micro-steps, so a run on 1 process with 4 accumulation steps sees exactly the
+windows a run on 4 processes with 1 step sees. The tail of an epoch too short
+for a whole optimizer step is dropped. A dataset with fewer windows than one
+optimizer step makes each epoch of several shuffled passes, so a step can
+still be full. Memory: the epoch's order, 8 bytes a window; the tokens stay on
+disk until a batch reads them.
 
 Dataset, at the end, is the run's view of its data folder: checked before the
 process group forms, and prepared inside it (by each host's local rank 0) when
@@ -23,21 +27,48 @@ import numpy as np
 import torch
 
 from config import Config
-from data.dataset import check_token_files, load_meta
+from data.dataset import Shard, check_token_files, has_tokens, load_meta, split_shards
 from errors import ConfigError
 from launch import World, agree_or_raise
 
 REPO = Path(__file__).resolve().parent
 
 
-def open_tokens(path, dtype: str) -> np.memmap:
-    return np.memmap(path, dtype=np.dtype(dtype), mode="r")
+class Tokens:
+    """The tokens of one split: its shards, memory-mapped past their headers, end to end."""
+
+    def __init__(self, shards: list):
+        shards = [s for s in shards if s.tokens > 0]
+        self.arrays = [np.memmap(s.path, dtype=np.dtype(s.dtype), mode="r", offset=s.offset,
+                                 shape=(s.tokens,)) for s in shards]
+        self.lengths = np.array([s.tokens for s in shards], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])  # where each shard begins
+
+    @classmethod
+    def file(cls, path, dtype: str) -> "Tokens":
+        """A flat file of tokens (train.bin / val.bin) as a split of one shard."""
+        return cls([Shard(Path(path), dtype, 0, Path(path).stat().st_size // np.dtype(dtype).itemsize)])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """The `length` tokens from each global start position, as int64 rows."""
+        shard = np.searchsorted(self.offsets, starts, side="right") - 1
+        local = starts - self.offsets[shard]
+        return np.stack([self.arrays[s][i:i + length] for s, i in zip(shard, local)]).astype(np.int64)
+
+    def grid(self, per_shard: np.ndarray, stride: int, offset: int, ids: np.ndarray) -> np.ndarray:
+        """Global start positions of windows numbered `ids` over all shards, shard by shard,
+        when shard s holds per_shard[s] windows at `offset + k * stride`."""
+        first = np.concatenate([[0], np.cumsum(per_shard)])
+        shard = np.searchsorted(first, ids, side="right") - 1
+        return self.offsets[shard] + offset + (ids - first[shard]) * stride
 
 
-def windows_to_batch(tokens: np.ndarray, starts, block_size: int, device) -> tuple:
+def windows_to_batch(tokens: Tokens, starts, block_size: int, device) -> tuple:
     """Stack windows of block_size + 1 tokens into inputs x and next-token targets y."""
-    rows = np.stack([tokens[s:s + block_size + 1] for s in starts]).astype(np.int64)
-    batch = torch.from_numpy(rows)  # (B, T+1)
+    batch = torch.from_numpy(tokens.windows(np.asarray(starts, dtype=np.int64), block_size + 1))  # (B, T+1)
     if device.type == "cuda":
         batch = batch.pin_memory().to(device, non_blocking=True)
     else:
@@ -48,20 +79,22 @@ def windows_to_batch(tokens: np.ndarray, starts, block_size: int, device) -> tup
 class ShardedTokenLoader:
     """Rank-strided, epoch-seeded batches of windows; resumable to the next batch."""
 
-    def __init__(self, path, dtype: str, block_size: int, batch_size: int,
-                 global_batch_size: int, rank: int, world_size: int, seed: int, device="cpu"):
+    def __init__(self, tokens: Tokens, block_size: int, batch_size: int, global_batch_size: int,
+                 rank: int, world_size: int, seed: int, device="cpu"):
         if global_batch_size % (batch_size * world_size):
             raise ValueError(f"global_batch_size ({global_batch_size}) is not a multiple of "
                              f"batch_size ({batch_size}) x world_size ({world_size})")
-        self.tokens = open_tokens(path, dtype)
+        self.tokens = tokens
         self.block_size, self.batch_size = block_size, batch_size
         self.global_batch_size = global_batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.device = torch.device(device)
-        self.n_windows = len(self.tokens) // block_size - 1  # fits for any offset < block_size
+        # windows that fit in each shard for any epoch offset < block_size
+        self.per_shard = np.maximum(tokens.lengths // block_size - 1, 0)
+        self.n_windows = int(self.per_shard.sum())
         if self.n_windows < 1:
-            raise ValueError(f"{path} has {len(self.tokens)} tokens: too few for a window "
-                             f"of {block_size + 1} tokens at any offset")
+            raise ValueError(f"no shard of {len(tokens)} tokens holds a window of {block_size + 1} "
+                             f"tokens at any offset")
         self.passes = -(-global_batch_size // self.n_windows)  # 1 unless the data is tiny
         self.steps_per_epoch = self.passes * self.n_windows // global_batch_size
         self.windows_per_epoch = self.steps_per_epoch * global_batch_size
@@ -73,7 +106,8 @@ class ShardedTokenLoader:
         passes = []
         for _ in range(self.passes):
             offset = int(rng.integers(self.block_size))
-            passes.append(offset + rng.permutation(self.n_windows) * self.block_size)
+            order = rng.permutation(self.n_windows)
+            passes.append(self.tokens.grid(self.per_shard, self.block_size, offset, order))
         # every window may be drawn; the epoch's tail that cannot fill a step is left out
         self.starts = np.concatenate(passes)[:self.windows_per_epoch]
         self.epoch, self.position = epoch, 0
@@ -109,13 +143,14 @@ class ShardedTokenLoader:
         self.epoch, self.position = epoch, position
 
 
-def eval_starts(n_tokens: int, block_size: int, n_windows: int) -> np.ndarray:
+def eval_starts(tokens: Tokens, block_size: int, n_windows: int) -> np.ndarray:
     """A fixed set of evaluation windows: evenly spread, the same every eval and every run."""
-    available = (n_tokens - 1) // block_size
+    per_shard = (tokens.lengths - 1) // block_size  # windows at offset 0
+    available = int(per_shard.sum())
     if available < 1:
-        raise ValueError(f"{n_tokens} tokens hold no window of {block_size + 1} tokens")
+        raise ValueError(f"{len(tokens)} tokens hold no window of {block_size + 1} tokens")
     picks = np.unique(np.linspace(0, available - 1, min(n_windows, available)).round().astype(np.int64))
-    return picks * block_size
+    return tokens.grid(per_shard, block_size, 0, picks)
 
 
 # -----------------------------------------------------------------------------
@@ -133,10 +168,13 @@ def read_dataset(cfg: Config) -> dict:
         check_token_files(data_dir, meta)
     except (OSError, ValueError) as e:
         raise ConfigError(str(e)) from None
-    for split, needed in (("train", 2 * cfg.block_size), ("val", cfg.block_size + 1)):
-        if meta[f"{split}_tokens"] < needed:  # train: a window at any epoch offset
+    for split, shards in split_shards(data_dir, meta).items():
+        needed = 2 * cfg.block_size if split == "train" else cfg.block_size + 1  # train: any offset
+        longest = max(s.tokens for s in shards)  # a window never crosses a shard end
+        if longest < needed:
+            where = "" if len(shards) == 1 else " in its longest shard"
             raise ConfigError(f"block_size ({cfg.block_size}) is too long for the {split} split of "
-                              f"{data_dir} ({meta[f'{split}_tokens']:,} tokens; it needs {needed:,}): "
+                              f"{data_dir} ({longest:,} tokens{where}; it needs {needed:,}): "
                               f"use a smaller --block_size or more data")
     return meta
 
@@ -147,12 +185,18 @@ class Dataset:
 
     def __init__(self, cfg: Config):
         self.cfg, self.dir = cfg, dataset_dir(cfg)
-        self.meta = read_dataset(cfg) if (self.dir / "meta.json").exists() else None
+        self.meta = read_dataset(cfg) if has_tokens(self.dir) else None
+        if self.meta is not None:
+            return
         script = REPO / "data" / cfg.dataset / "prepare.py"
-        if self.meta is None and not script.exists():
+        if not script.exists():
             raise ConfigError(f"no dataset in {self.dir} (meta.json missing) and no {script} to "
                               f"prepare it: check --dataset / --data_dir")
-        if self.meta is None and cfg.prepare_input and not Path(cfg.prepare_input).is_file():
+        if not getattr(importlib.import_module(f"data.{cfg.dataset}.prepare"), "PREPARE_IN_TRAIN", True):
+            raise ConfigError(f"no dataset in {self.dir}: this corpus is too large to prepare at "
+                              f"start-up; run python data/{cfg.dataset}/prepare.py --out_dir {self.dir} "
+                              f"first (see README.md)")
+        if cfg.prepare_input and not Path(cfg.prepare_input).is_file():
             raise ConfigError(f"prepare_input {cfg.prepare_input} does not exist: the dataset in "
                               f"{self.dir} is missing and would be prepared from it")
 
@@ -161,7 +205,7 @@ class Dataset:
         rank takes part in both agreements (a host with data cannot know another lacks it), so
         a failure on one host (no shared disk) stops every rank, not only that host's."""
         error = None
-        if self.meta is None and world.local_rank == 0 and not (self.dir / "meta.json").exists():
+        if self.meta is None and world.local_rank == 0 and not has_tokens(self.dir):
             local_input = {"input_path": self.cfg.prepare_input} if self.cfg.prepare_input else {}
             try:
                 importlib.import_module(f"data.{self.cfg.dataset}.prepare").prepare(

@@ -38,7 +38,8 @@ from config import Config, resolve
 from errors import ConfigError, Diverged, GlobalBatchIndivisible, RunError
 from launch import (StopSignal, World, collective_failures_explained, find_world, pick_backend,
                     pick_device, pick_dtype, process_group, strip_local_rank, use_device)
-from loader import Dataset, ShardedTokenLoader, dataset_dir, eval_starts, open_tokens, windows_to_batch
+from data.dataset import split_shards
+from loader import Dataset, ShardedTokenLoader, Tokens, dataset_dir, eval_starts, windows_to_batch
 from logger import Logger
 from model import GPT, GPTConfig
 
@@ -201,13 +202,12 @@ def build_run(cfg: Config, world: World, device: torch.device, dtype: torch.dtyp
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
                                                (cfg.beta1, cfg.beta2), device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    loader = ShardedTokenLoader(data_dir / "train.bin", meta["dtype"], cfg.block_size, cfg.batch_size,
-                                cfg.global_batch_size, world.rank, world.size, cfg.seed, device)
+    splits = {split: Tokens(shards) for split, shards in split_shards(data_dir, meta).items()}
+    loader = ShardedTokenLoader(splits["train"], cfg.block_size, cfg.batch_size, cfg.global_batch_size,
+                                world.rank, world.size, cfg.seed, device)
     n_eval = cfg.eval_iters * cfg.global_batch_size  # not per rank: the same windows for any launch
-    eval_sets = {}
-    for split in ("train", "val"):
-        tokens = open_tokens(data_dir / f"{split}.bin", meta["dtype"])
-        eval_sets[split] = (tokens, eval_starts(len(tokens), cfg.block_size, n_eval))
+    eval_sets = {split: (tokens, eval_starts(tokens, cfg.block_size, n_eval))
+                 for split, tokens in splits.items()}
     # Each rank gets its own dropout stream, derived from the one seed.
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)

@@ -1,22 +1,78 @@
 """The dataset format: what prepare scripts write and what training reads.
 
-A prepared dataset is a folder holding
-  train.bin, val.bin  flat token arrays (uint16, or uint32 when the vocabulary needs it)
-  meta.json           vocab_size, dtype, tokenizer, chars (char only), source, token counts, format
-meta.json is written last, so a folder that has one holds a complete dataset.
+A prepared dataset is a folder holding its tokens, either as
+  train.bin, val.bin      flat token arrays (uint16, or uint32 when the vocabulary needs it), or
+  NAME_{train,val}_NNNNNN.bin  shards in llm.c's format: a header of 256 little-endian int32
+                          (magic 20240520, version 1, token count; magic 20240801, version 7 for
+                          uint32 tokens), then the tokens,
+and meta.json: vocab_size, dtype, tokenizer, chars (char only), source, token counts, format, and
+for shards their file names, token counts and sha256 per split. meta.json is written last, so a
+folder that has one holds a complete dataset. A folder of shards without meta.json (llm.c's
+fineweb.py output, modded-nanogpt's pre-tokenized FineWeb) is read as GPT-2 BPE tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from data.files import write_temp
+from data.files import atomic_write, write_temp
 
 DATASET_FORMAT = 1
+HEADER_INTS = 256  # an llm.c shard header: 256 int32, of which the first three are used
+SHARD_FORMATS = {"uint16": (20240520, 1), "uint32": (20240801, 7)}  # dtype -> (magic, version)
+GPT2_VOCAB_SIZE = 50257
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One file of a split: `tokens` tokens of `dtype`, starting `offset` bytes into `path`."""
+    path: Path
+    dtype: str
+    offset: int
+    tokens: int
+
+
+def write_shard(path, tokens: np.ndarray) -> str:
+    """Write tokens (uint16 or uint32) as an llm.c shard, atomically; return the file's sha256."""
+    magic, version = SHARD_FORMATS[tokens.dtype.name]
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = magic, version, len(tokens)
+    digest = hashlib.sha256()
+
+    def write(f):
+        for part in (header.tobytes(), tokens.astype(tokens.dtype.newbyteorder("<"), copy=False).tobytes()):
+            f.write(part)
+            digest.update(part)
+    atomic_write(path, write)
+    return digest.hexdigest()
+
+
+def read_shard_header(path) -> tuple[str, int]:
+    """(dtype, token count) of an llm.c shard; ValueError naming the file if it is not one."""
+    path = Path(path)
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    if len(header) < HEADER_INTS:
+        raise ValueError(f"{path} is {path.stat().st_size} bytes, too short for a shard header of "
+                         f"{HEADER_INTS * 4} bytes: it was cut short or is not a token shard")
+    magic, version, count = (int(v) for v in header[:3])
+    dtype = next((d for d, (m, _) in SHARD_FORMATS.items() if m == magic), None)
+    if dtype is None:
+        raise ValueError(f"{path}: magic number {magic} is not a token shard's (20240520 for uint16, "
+                         f"20240801 for uint32 tokens, as llm.c writes them)")
+    if version != SHARD_FORMATS[dtype][1]:
+        raise ValueError(f"{path}: version {version} with magic {magic}, expected {SHARD_FORMATS[dtype][1]}")
+    size = path.stat().st_size - HEADER_INTS * 4
+    if count < 0 or size != count * np.dtype(dtype).itemsize:
+        raise ValueError(f"{path}: its header says {count:,} tokens but the file holds "
+                         f"{size / np.dtype(dtype).itemsize:,.1f}: it was cut short or appended to; "
+                         f"prepare it again")
+    return dtype, count
 
 
 def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
@@ -58,11 +114,79 @@ def _prepare_again(data_dir) -> str:
     return f"prepare the dataset again (python data/<dataset>/prepare.py --out_dir {data_dir})"
 
 
+def is_loose_shard(path: Path) -> bool:
+    """A *train*.bin / *val*.bin shard file; our own headerless train.bin and val.bin are not."""
+    return path.suffix == ".bin" and path.name not in ("train.bin", "val.bin") and (
+        "train" in path.name or "val" in path.name)
+
+
+def has_tokens(data_dir) -> bool:
+    """Whether the folder holds a dataset to read (meta.json, or shards without one)."""
+    data_dir = Path(data_dir)
+    return (data_dir / "meta.json").is_file() or (data_dir.is_dir() and any(
+        is_loose_shard(p) for p in data_dir.iterdir()))
+
+
+def meta_from_shards(data_dir) -> dict:
+    """The meta of a folder of llm.c shards without meta.json: GPT-2 BPE tokens, split by name."""
+    data_dir = Path(data_dir)
+    files = sorted(p for p in data_dir.iterdir() if is_loose_shard(p))
+    splits = {"train": [p for p in files if "train" in p.name],
+              "val": [p for p in files if "val" in p.name and "train" not in p.name]}
+    for split, paths in splits.items():
+        if not paths:
+            raise ValueError(f"{data_dir} has no meta.json and no *{split}*.bin shard: a folder of "
+                             f"pre-tokenized shards needs files named *train*.bin and *val*.bin")
+    headers = {p: read_shard_header(p) for p in files}
+    dtypes = {dtype for dtype, _ in headers.values()}
+    if len(dtypes) > 1:
+        by_dtype = {d: next(p.name for p, (dd, _) in headers.items() if dd == d) for d in sorted(dtypes)}
+        raise ValueError(f"{data_dir}: shards of mixed dtypes ({', '.join(f'{p} holds {d}' for d, p in by_dtype.items())}): "
+                         f"one dataset has one token dtype")
+    shards = {split: [{"file": p.name, "tokens": headers[p][1]} for p in paths] for split, paths in splits.items()}
+    return {"vocab_size": GPT2_VOCAB_SIZE, "dtype": dtypes.pop(), "tokenizer": "gpt2",
+            "source": {"name": "pre-tokenized shards in llm.c's format", "path": str(data_dir)},
+            "train_tokens": sum(s["tokens"] for s in shards["train"]),
+            "val_tokens": sum(s["tokens"] for s in shards["val"]), "shards": shards, "format": DATASET_FORMAT}
+
+
+def split_shards(data_dir, meta: dict) -> dict:
+    """{"train": [Shard, ...], "val": [...]}: where each split's tokens are."""
+    data_dir = Path(data_dir)
+    if "shards" not in meta:
+        return {split: [Shard(data_dir / f"{split}.bin", meta["dtype"], 0, meta[f"{split}_tokens"])]
+                for split in ("train", "val")}
+    return {split: [Shard(data_dir / s["file"], meta["dtype"], HEADER_INTS * 4, s["tokens"])
+                    for s in meta["shards"][split]] for split in ("train", "val")}
+
+
+def _valid_shard_list(meta: dict) -> str:
+    """What is wrong with meta["shards"], or "" when nothing is."""
+    shards = meta["shards"]
+    if not isinstance(shards, dict):
+        return "shards is not a mapping of split to shards"
+    for split in ("train", "val"):
+        entries = shards.get(split)
+        if not isinstance(entries, list) or not entries:
+            return f"the {split} split has no shard"
+        for entry in entries:
+            if not (isinstance(entry, dict) and isinstance(entry.get("file"), str)
+                    and Path(entry["file"]).name == entry["file"] and type(entry.get("tokens")) is int
+                    and entry["tokens"] >= 0):
+                return f"a {split} shard entry is not {{'file': NAME, 'tokens': COUNT}}: {entry!r}"
+        if sum(e["tokens"] for e in entries) != meta[f"{split}_tokens"]:
+            return f"the {split} shards add up to another count than {split}_tokens"
+    return ""
+
+
 def load_meta(data_dir) -> dict:
-    """meta.json of a prepared dataset; a clear error when the dataset is missing or incomplete."""
+    """meta.json of a prepared dataset (or the meta of a folder of shards without one); a clear
+    error when the dataset is missing or incomplete."""
     path = Path(data_dir) / "meta.json"
     again = _prepare_again(data_dir)
     if not path.is_file():
+        if has_tokens(data_dir):
+            return meta_from_shards(data_dir)
         raise FileNotFoundError(f"{path} not found: prepare the dataset first "
                                 f"(python data/{Path(data_dir).name}/prepare.py)")
     try:
@@ -82,38 +206,45 @@ def load_meta(data_dir) -> dict:
     if meta["tokenizer"] == "char" and len(meta.get("chars", "")) != meta["vocab_size"]:
         raise ValueError(f"{path}: a char vocabulary of {len(meta.get('chars', ''))} characters, but "
                          f"vocab_size {meta['vocab_size']}: {again}")
+    if "shards" in meta and (problem := _valid_shard_list(meta)):
+        raise ValueError(f"{path}: {problem}: {again}")
     return meta
 
 
 def check_token_files(data_dir, meta: dict, n_windows: int = 16, window: int = 4096) -> None:
-    """Check train.bin and val.bin against meta.json: whole tokens of its dtype, its token
-    counts, and no token id >= vocab_size in n_windows windows spread over each file
-    (a sample: reading every token of a large corpus would take minutes)."""
+    """Check the token files against meta.json: whole tokens of its dtype (for shards: a valid
+    header of that dtype), its token counts, and no token id >= vocab_size in n_windows windows
+    spread over each split (a sample: reading every token of a large corpus takes minutes)."""
     dtype = np.dtype(meta["dtype"])
     again = _prepare_again(data_dir)
-    for split in ("train", "val"):
-        path = Path(data_dir) / f"{split}.bin"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing, though meta.json is there: {again}")
-        size = path.stat().st_size
-        if size % dtype.itemsize:
-            raise ValueError(f"{path} is {size} bytes, not a whole number of {dtype.name} tokens "
-                             f"({dtype.itemsize} bytes each): it was cut short or written with "
-                             f"another dtype; {again}")
-        count = size // dtype.itemsize
-        if count != meta[f"{split}_tokens"]:
-            raise ValueError(f"{path} holds {count:,} tokens, but meta.json says "
-                             f"{meta[f'{split}_tokens']:,}: the files come from different "
-                             f"preparations; {again}")
-        if count == 0:
-            continue
-        tokens = np.memmap(path, dtype=dtype, mode="r")
-        for start in np.unique(np.linspace(0, max(0, count - window), n_windows).astype(np.int64)):
-            chunk = tokens[start:start + window]
-            bad = np.flatnonzero(chunk >= meta["vocab_size"])
-            if bad.size:
-                raise ValueError(f"{path}: token id {int(chunk[bad[0]])} at position "
-                                 f"{int(start + bad[0]):,} is >= vocab_size {meta['vocab_size']} "
-                                 f"from meta.json: the files come from different preparations; {again}")
-
-
+    for split, shards in split_shards(data_dir, meta).items():
+        for shard in shards:
+            path = shard.path
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is missing, though meta.json is there: {again}")
+            if shard.offset:  # an llm.c shard: its header must agree
+                found, count = read_shard_header(path)
+                if found != dtype.name:
+                    raise ValueError(f"{path} holds {found} tokens, but the dataset is {dtype.name}: "
+                                     f"shards of mixed dtypes; {again}")
+            else:
+                size = path.stat().st_size
+                if size % dtype.itemsize:
+                    raise ValueError(f"{path} is {size} bytes, not a whole number of {dtype.name} tokens "
+                                     f"({dtype.itemsize} bytes each): it was cut short or written with "
+                                     f"another dtype; {again}")
+                count = size // dtype.itemsize
+            if count != shard.tokens:
+                raise ValueError(f"{path} holds {count:,} tokens, but meta.json says {shard.tokens:,}: "
+                                 f"the files come from different preparations; {again}")
+            if count == 0:
+                continue
+            tokens = np.memmap(path, dtype=dtype, mode="r", offset=shard.offset, shape=(count,))
+            per_shard = max(1, n_windows // len(shards))
+            for start in np.unique(np.linspace(0, max(0, count - window), per_shard).astype(np.int64)):
+                chunk = tokens[start:start + window]
+                bad = np.flatnonzero(chunk >= meta["vocab_size"])
+                if bad.size:
+                    raise ValueError(f"{path}: token id {int(chunk[bad[0]])} at position "
+                                     f"{int(start + bad[0]):,} is >= vocab_size {meta['vocab_size']} "
+                                     f"from meta.json: the files come from different preparations; {again}")

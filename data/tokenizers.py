@@ -52,7 +52,7 @@ def _gpt2_bpe_from_whisper() -> bytes:
     return data
 
 
-def gpt2_encoding(bpe_file=None):
+def gpt2_encoding(bpe_file=None, verbose: bool = True):
     """The GPT-2 tokenizer as a tiktoken.Encoding equal to tiktoken.get_encoding("gpt2").
 
     Sources, in order: `bpe_file` or $GPT2_TIKTOKEN_FILE (a gpt2.tiktoken / r50k_base.tiktoken);
@@ -84,7 +84,8 @@ def gpt2_encoding(bpe_file=None):
             enc, how = _gpt2_from_bpe(data), f"{WHISPER_PACKAGE} sdist via pip download (cached in {cache})"
     if enc.encode("hello world") != [31373, 995] or enc.n_vocab != 50257:
         raise RuntimeError(f"the GPT-2 encoding from {how} does not behave like GPT-2's")
-    print(f"gpt2 tokenizer: {how}", file=sys.stderr)  # a diagnostic, not sample text
+    if verbose:
+        print(f"gpt2 tokenizer: {how}", file=sys.stderr)  # a diagnostic, not sample text
     return enc
 
 

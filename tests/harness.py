@@ -130,3 +130,22 @@ def run_world(world_size: int, args: list[str], result_dir: Path, patch=None) ->
     result_dir.mkdir(parents=True, exist_ok=True)
     run_ranks(_train_rank, world_size, args, result_dir, patch)
     return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def shard_dataset(source: Path, folder: Path, parts=(0.5, 0.3, 0.2)) -> Path:
+    """The train split of a prepared dataset cut into llm.c shards of these fractions (val kept
+    as one shard), with a meta.json that lists them: a small multi-shard dataset."""
+    import numpy as np
+    from data.dataset import write_shard
+    meta = json.loads((Path(source) / "meta.json").read_text())
+    folder.mkdir(parents=True)
+    splits = {}
+    for split, fractions in (("train", parts), ("val", (1.0,))):
+        tokens = np.fromfile(Path(source) / f"{split}.bin", dtype=meta["dtype"])
+        cuts = [0, *np.cumsum([round(f * len(tokens)) for f in fractions[:-1]]), len(tokens)]
+        splits[split] = []
+        for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+            name = f"chars_{split}_{i:06d}.bin"
+            splits[split].append({"file": name, "tokens": int(b - a), "sha256": write_shard(folder / name, tokens[a:b])})
+    (folder / "meta.json").write_text(json.dumps({**meta, "shards": splits}))
+    return folder

@@ -126,12 +126,13 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(char_data, tmp_path, 
 def _accumulate(rank, world_size, data_dir, out_file, variant):
     """Build the tiny model under DDP, run one step's micro-batches, save the gradients."""
     dist.init_process_group("gloo")
-    from loader import ShardedTokenLoader
+    from loader import ShardedTokenLoader, Tokens
     from model import GPT, GPTConfig
     torch.manual_seed(0)
     model = train.DDP(GPT(GPTConfig(block_size=16, vocab_size=23, n_layer=2, n_head=2, n_embd=32,
                                     bias=False)))
-    loader = ShardedTokenLoader(Path(data_dir) / "train.bin", "uint16", 16, 2, 16, rank, world_size, 0)
+    loader = ShardedTokenLoader(Tokens.file(Path(data_dir) / "train.bin", "uint16"), 16, 2, 16, rank,
+                                world_size, 0)
     loader.set_epoch(0)
     accum = 16 // (2 * world_size)
     scaler = torch.amp.GradScaler("cpu", enabled=False)

@@ -113,7 +113,8 @@ def test_batches_are_pinned_and_copied_without_blocking(tmp_path, monkeypatch):
         return real_to(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "to", spy)
-    batches = loader.ShardedTokenLoader(path, "uint16", 8, 4, 4, 0, 1, seed=0, device="cuda")
+    batches = loader.ShardedTokenLoader(loader.Tokens.file(path, "uint16"), 8, 4, 4, 0, 1, seed=0,
+                                        device="cuda")
     batches.set_epoch(0)
     x, y = batches.next_batch()
     assert x.is_cuda and y.is_cuda and torch.equal(x[:, 1:], y[:, :-1])

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from loader import ShardedTokenLoader, eval_starts
+from loader import ShardedTokenLoader, Tokens, eval_starts
 
 BLOCK = 8
 
@@ -15,7 +15,7 @@ def token_file(tmp_path):
 
 
 def make(path, rank=0, world=1, batch=4, global_batch=16, seed=3):
-    loader = ShardedTokenLoader(path, "uint16", BLOCK, batch, global_batch, rank, world, seed)
+    loader = ShardedTokenLoader(Tokens.file(path, "uint16"), BLOCK, batch, global_batch, rank, world, seed)
     loader.set_epoch(0)
     return loader
 
@@ -93,7 +93,7 @@ def test_load_state_dict_continues_with_the_next_batch(token_file):
     state = straight.state_dict()
     expected = [straight.next_batch()[0] for _ in range(3)]
 
-    resumed = ShardedTokenLoader(token_file, "uint16", BLOCK, 2, 8, 1, 2, seed=3)
+    resumed = ShardedTokenLoader(Tokens.file(token_file, "uint16"), BLOCK, 2, 8, 1, 2, seed=3)
     resumed.load_state_dict(state)
     assert [torch.equal(resumed.next_batch()[0], e) for e in expected] == [True] * 3
 
@@ -101,7 +101,7 @@ def test_load_state_dict_continues_with_the_next_batch(token_file):
 def test_dataset_smaller_than_a_step_uses_several_passes(tmp_path):
     path = tmp_path / "tiny.bin"
     np.arange(100, dtype=np.uint16).tofile(path)  # 11 windows of 8 tokens at any offset
-    loader = ShardedTokenLoader(path, "uint16", BLOCK, 4, 16, 0, 1, seed=0)
+    loader = ShardedTokenLoader(Tokens.file(path, "uint16"), BLOCK, 4, 16, 0, 1, seed=0)
     loader.set_epoch(0)
     assert loader.passes == 2 and loader.steps_per_epoch == 1
     x, _ = loader.next_batch()
@@ -109,7 +109,10 @@ def test_dataset_smaller_than_a_step_uses_several_passes(tmp_path):
 
 
 def test_eval_windows_are_fixed_and_spread(tmp_path):
-    a = eval_starts(10_000, 16, 50)
-    assert np.array_equal(a, eval_starts(10_000, 16, 50))
+    def tokens(n):
+        np.zeros(n, dtype=np.uint16).tofile(tmp_path / f"{n}.bin")
+        return Tokens.file(tmp_path / f"{n}.bin", "uint16")
+    a = eval_starts(tokens(10_000), 16, 50)
+    assert np.array_equal(a, eval_starts(tokens(10_000), 16, 50))
     assert len(a) == 50 and a[0] == 0 and a[-1] + 17 <= 10_000
-    assert len(eval_starts(100, 16, 50)) == 6  # clamped to the windows that exist
+    assert len(eval_starts(tokens(100), 16, 50)) == 6  # clamped to the windows that exist

@@ -1,0 +1,77 @@
+"""OpenWebText, nanoGPT's corpus and split, as GPT-2 BPE token shards in llm.c's format.
+
+    python data/openwebtext/prepare.py                        # ~9B tokens, ~18 GB of shards
+    python data/openwebtext/prepare.py --input='owt/*.parquet' --out_dir=data/owt   # local files
+
+The split is nanoGPT's rule: with the documents numbered in corpus order, the first 0.05% of a
+permutation drawn by np.random.default_rng(2357) are val (Hugging Face datasets'
+train_test_split(test_size=0.0005, seed=2357) draws the same), so the same corpus gives the
+same val documents as nanoGPT's, about 4,000 of 8 million. Unlike nanoGPT, each document is
+prefixed by <|endoftext|> (50256) as in llm.c, and the tokens go to shards (openwebtext_val_*.bin,
+openwebtext_train_*.bin) instead of one 17 GB file. Documents come from the repo's parquet files
+on the hub, downloaded first (about 25 GB; each file is deleted once tokenized) because the split
+needs the number of documents, or from local .parquet / .jsonl / .txt files. Stopped at any
+point, the same command continues from the last complete shards.
+"""
+
+import math
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `data` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np
+
+from data.corpora import errors_exit_2
+from data.streaming import (count_documents, hub_source, local_source, saved_counts, shard_arguments,
+                            write_shards)
+
+PREPARE_IN_TRAIN = False  # hours of downloading: train.py asks for this script to be run first
+REPO_ID = "Skylion007/openwebtext"
+VAL_FRACTION, SPLIT_SEED = 0.0005, 2357  # nanoGPT's test_size and seed
+
+
+def val_documents(n_documents: int) -> set:
+    """The document numbers of the val split: nanoGPT's (datasets' train_test_split) rule."""
+    n_val = math.ceil(VAL_FRACTION * n_documents)
+    return set(np.random.default_rng(SPLIT_SEED).permutation(n_documents)[:n_val].tolist())
+
+
+def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, revision="main", shard_tokens=10**8,
+            workers=None) -> dict:
+    out_dir = Path(out_dir) if out_dir else Path(__file__).resolve().parent
+    if input_pattern:
+        source, settings = local_source(input_pattern), {"input": input_pattern}
+    else:
+        from huggingface_hub import HfApi
+        files = sorted(f for f in HfApi().list_repo_files(repo_id, repo_type="dataset", revision=revision)
+                       if f.endswith(".parquet"))
+        if not files:
+            raise ValueError(f"{repo_id} has no parquet files at revision {revision}: pass --revision "
+                             f"(a branch with the parquet conversion) or --input")
+        source = hub_source(repo_id, files, revision, out_dir / ".download")
+        settings = {"repo": repo_id, "revision": revision}
+    counts = saved_counts(out_dir)
+    if len(counts) != len(source.names):  # the split needs the number of documents up front
+        counts = [count_documents(source.fetch(i)) for i in range(len(source.names))]
+    val = val_documents(sum(counts))
+    meta = write_shards(source, out_dir, "openwebtext", shard_tokens, workers or os.cpu_count(),
+                        route=lambda doc: "val" if doc in val else "train",
+                        split_of_shard={"val": lambda n: "val", "train": lambda n: "train"},
+                        settings={**settings, "val_fraction": VAL_FRACTION, "split_seed": SPLIT_SEED},
+                        counts=counts)
+    print(f"{meta['documents']:,} documents ({len(val):,} val): train {meta['train_tokens']:,} tokens "
+          f"in {len(meta['shards']['train'])} shards, val {meta['val_tokens']:,} tokens -> {out_dir}")
+    return meta
+
+
+def main(argv=None) -> dict:
+    args = shard_arguments(__doc__, REPO_ID).parse_args(argv)
+    return prepare(args.out_dir, args.input, args.repo, args.revision, args.shard_tokens, args.workers)
+
+
+if __name__ == "__main__":
+    with errors_exit_2():
+        main()

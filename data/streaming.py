@@ -1,0 +1,307 @@
+"""Large corpora as token shards, in bounded memory and resumably.
+
+Documents stream from .parquet / .jsonl files (a `text` field) or .txt files (one document
+each), local or downloaded one at a time from the Hugging Face hub. Worker processes encode
+them with GPT-2's BPE (tiktoken's encode_ordinary), each document prefixed by the end-of-text
+token 50256 as llm.c does, and the tokens are cut into shards of `shard_tokens` in llm.c's
+format (data/dataset.py). A document may continue from one shard into the next.
+
+Memory: one shard buffer per split and a few chunks of documents in flight, whatever the
+corpus size. Interruption: a shard is written under a temporary name and renamed when
+complete, and .progress.json (rewritten after every shard) records where the next shard of
+each split starts in the document stream. A rerun with the same options continues from
+there and writes byte-identical shards; meta.json is written last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from data.dataset import DATASET_FORMAT, GPT2_VOCAB_SIZE, write_shard
+from data.files import atomic_write_bytes
+
+EOT = 50256  # GPT-2's <|endoftext|>
+PROGRESS = ".progress.json"
+
+
+def shard_arguments(doc: str, repo_id: str) -> argparse.ArgumentParser:
+    """The options of every prepare script that writes shards; a script adds its own."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--repo", default=repo_id, help="the dataset repo on the Hugging Face hub")
+    parser.add_argument("--revision", default="main", help="a branch, tag or commit of the repo")
+    parser.add_argument("--input", help="local .parquet/.jsonl/.txt files (a glob) instead of the hub")
+    parser.add_argument("--out_dir", help="where to write the shards (default: this script's folder)")
+    parser.add_argument("--shard_tokens", type=int, default=10**8, help="tokens per shard")
+    parser.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: cores)")
+    return parser
+
+
+# ----------------------------------------------------------------------------- reading documents
+
+def read_documents(path: Path) -> Iterator[str]:
+    """The documents of one file, in order; ValueError naming the file when it has no text."""
+    if path.suffix == ".txt":
+        yield path.read_text(encoding="utf-8")
+    elif path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise ValueError(f"{path}, line {line_number}: no 'text' field (a string): each "
+                                     f"line must be a JSON object with the document in 'text'")
+                yield record["text"]
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        parquet = pq.ParquetFile(path)
+        if "text" not in parquet.schema_arrow.names:
+            raise ValueError(f"{path} has no 'text' column (it has {', '.join(parquet.schema_arrow.names)})")
+        for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
+            yield from (text or "" for text in batch.column(0).to_pylist())
+    else:
+        raise ValueError(f"{path}: not a .parquet, .jsonl or .txt file")
+
+
+def count_documents(path: Path) -> int:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        return pq.ParquetFile(path).metadata.num_rows
+    return sum(1 for _ in read_documents(path))
+
+
+@dataclass
+class Source:
+    """The corpus: an ordered list of files, each fetched (if need be) when its turn comes."""
+    names: list                      # what each file is called in meta.json and messages
+    fetch: Callable[[int], Path]     # file index -> a local path to read
+    release: Callable[[int], None] = lambda i: None  # done with file i (a download may go)
+    description: dict = field(default_factory=dict)
+
+
+def local_source(pattern: str) -> Source:
+    """Files matching a glob pattern (or one path), in sorted order."""
+    root = Path(pattern).parent if any(c in pattern for c in "*?[") else None
+    files = sorted(root.glob(Path(pattern).name)) if root is not None else [Path(pattern)]
+    files = [f for f in files if f.is_file()]
+    if not files:
+        raise FileNotFoundError(f"--input {pattern} matches no file")
+    return Source([str(f) for f in files], lambda i: files[i],
+                  description={"name": "local files", "input": pattern, "files": len(files)})
+
+
+def hub_source(repo_id: str, files: list, revision: str, download_dir: Path) -> Source:
+    """Parquet files of a Hugging Face dataset repo, downloaded one at a time and deleted after."""
+    from huggingface_hub import hf_hub_download
+
+    def fetch(i):
+        return Path(hf_hub_download(repo_id, files[i], repo_type="dataset", revision=revision,
+                                    local_dir=download_dir))
+
+    def release(i):
+        (download_dir / files[i]).unlink(missing_ok=True)
+
+    return Source(files, fetch, release, {"name": "huggingface hub", "repo": repo_id,
+                                          "revision": revision, "files": len(files)})
+
+
+# ----------------------------------------------------------------------------- tokenizing in workers
+
+_encoder = None
+
+
+def _start_worker():
+    global _encoder
+    from data.tokenizers import gpt2_encoding
+    _encoder = gpt2_encoding(verbose=False)
+
+
+def _encode(item):
+    index, text = item
+    return index, np.array([EOT] + _encoder.encode_ordinary(text), dtype=np.uint16)
+
+
+# ----------------------------------------------------------------------------- writing shards
+
+class ShardStream:
+    """The shards of one split stream (or of all, when `split_of_shard` names each shard)."""
+
+    def __init__(self, out_dir: Path, prefix: str, shard_tokens: int, split_of_shard, state=None):
+        self.out_dir, self.prefix, self.shard_tokens = out_dir, prefix, shard_tokens
+        self.split_of_shard = split_of_shard  # shard number -> "train" or "val"
+        state = state or {"shards": [], "resume": [0, 0]}
+        self.shards = state["shards"]           # written: [{"file", "split", "tokens", "sha256"}]
+        self.resume = tuple(state["resume"])     # (document, token offset) where the next shard starts
+        self.buffer = np.empty(shard_tokens, dtype=np.uint16)
+        self.filled = 0
+
+    def state(self) -> dict:
+        return {"shards": self.shards, "resume": list(self.resume)}
+
+    def wants(self, doc: int) -> bool:
+        return doc >= self.resume[0]
+
+    def add(self, doc: int, tokens: np.ndarray, on_shard):
+        """Append a document's tokens (those not yet in a written shard); write full shards."""
+        used = self.resume[1] if doc == self.resume[0] else 0
+        while used < len(tokens):
+            take = min(len(tokens) - used, self.shard_tokens - self.filled)
+            self.buffer[self.filled:self.filled + take] = tokens[used:used + take]
+            self.filled, used = self.filled + take, used + take
+            if self.filled == self.shard_tokens:
+                self._write(doc, used, on_shard)
+
+    def finish(self, end_doc: int, on_shard):
+        if self.filled:
+            self._write(end_doc, 0, on_shard)
+
+    def _write(self, doc: int, used: int, on_shard):
+        number = len(self.shards)
+        split = self.split_of_shard(number)
+        name = f"{self.prefix}_{split}_{number:06d}.bin"
+        sha = write_shard(self.out_dir / name, self.buffer[:self.filled])
+        self.shards.append({"file": name, "split": split, "tokens": self.filled, "sha256": sha})
+        self.resume, self.filled = (doc, used), 0
+        on_shard()
+
+
+def saved_counts(out_dir) -> list:
+    """Documents per file as an interrupted prepare in out_dir counted them (else [])."""
+    path = Path(out_dir) / PROGRESS
+    return json.loads(path.read_text()).get("counts", []) if path.is_file() else []
+
+
+def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, workers: int,
+                 route: Callable[[int], str], split_of_shard: dict, settings: dict,
+                 counts: list = None) -> dict:
+    """Tokenize every document of `source` into shards; return the meta.json written.
+
+    route(doc) names the stream a document goes to; split_of_shard[stream](n) the split of
+    that stream's n-th shard. `settings` (whatever decides the output) must match to resume.
+    `counts`, documents per file, may be known beforehand (a split by document needs them).
+    """
+    if shard_tokens < 1 or workers < 1:
+        raise ValueError(f"--shard_tokens ({shard_tokens}) and --workers ({workers}) must be positive")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob(".*.tmp"):  # a shard cut short when a previous run was killed
+        stale.unlink()
+    settings = {**settings, "files": source.names, "shard_tokens": shard_tokens, "prefix": prefix}
+    if (out_dir / "meta.json").is_file() and not (out_dir / PROGRESS).is_file():
+        return _already_prepared(out_dir, settings)
+    progress = _read_progress(out_dir, settings)
+    streams = {name: ShardStream(out_dir, prefix, shard_tokens, split_of_shard[name],
+                                 progress["streams"].get(name)) for name in split_of_shard}
+    counts = list(counts or progress["counts"])  # documents per file, as far as known
+    start_doc = min(s.resume[0] for s in streams.values())
+    bar = tqdm(unit="tok", unit_scale=True, desc=f"{prefix} shards", disable=None,
+               initial=sum(sh["tokens"] for s in streams.values() for sh in s.shards))
+
+    def on_shard():
+        atomic_write_bytes(out_dir / PROGRESS, json.dumps({"settings": settings, "counts": counts, "streams": {
+            name: s.state() for name, s in streams.items()}}).encode())
+        bar.set_postfix(shards=sum(len(s.shards) for s in streams.values()))
+
+    def documents() -> Iterator[tuple]:
+        first = 0
+        for i, name in enumerate(source.names):
+            if i < len(counts) and first + counts[i] <= start_doc:
+                first += counts[i]  # every document of this file is in written shards already
+                continue
+            n = 0
+            for n, text in enumerate(read_documents(source.fetch(i)), 1):
+                if streams[route(first + n - 1)].wants(first + n - 1):
+                    yield first + n - 1, text
+            source.release(i)
+            counts[i:i + 1] = [n]  # known before, or the next file read
+            first += n
+
+    def blocks(size: int) -> Iterator[list]:
+        block = []
+        for item in documents():
+            block.append(item)
+            if len(block) == size:
+                yield block
+                block = []
+        if block:
+            yield block
+
+    def take(encoded):
+        for doc, tokens in encoded:
+            streams[route(doc)].add(doc, tokens, on_shard)
+            bar.update(len(tokens))
+
+    # Two blocks in flight at most: the workers encode one while this process reads the next
+    # and writes shards, so memory stays bounded (Pool.imap would read the whole corpus ahead).
+    with mp.get_context("spawn").Pool(workers, initializer=_start_worker) as pool:
+        pending = None
+        for block in blocks(workers * 64):
+            submitted = pool.map_async(_encode, block, chunksize=16)
+            if pending is not None:
+                take(pending.get())
+            pending = submitted
+        if pending is not None:
+            take(pending.get())
+    bar.close()
+    end_doc = sum(counts)
+    if not end_doc:
+        raise ValueError(f"the corpus holds no documents ({', '.join(source.names)})")
+    splits = {sh["split"] for s in streams.values() for sh in s.shards} | {
+        s.split_of_shard(len(s.shards)) for s in streams.values() if s.filled}
+    for split in sorted({"train", "val"} - splits):  # checked before the last shards are written
+        raise ValueError(f"the corpus ({end_doc:,} documents, {bar.n:,} tokens) gives no {split} "
+                         f"shard: too small for --shard_tokens={shard_tokens}")
+    for stream in streams.values():
+        stream.finish(end_doc, on_shard)
+    shards = [sh for s in streams.values() for sh in s.shards]
+    split_list = {split: [{k: sh[k] for k in ("file", "tokens", "sha256")} for sh in shards
+                          if sh["split"] == split] for split in ("train", "val")}
+    meta = {"vocab_size": GPT2_VOCAB_SIZE, "dtype": "uint16", "tokenizer": "gpt2",
+            "source": {**source.description, **{k: v for k, v in settings.items() if k != "files"}},
+            "documents": sum(counts), "train_tokens": sum(e["tokens"] for e in split_list["train"]),
+            "val_tokens": sum(e["tokens"] for e in split_list["val"]), "shards": split_list,
+            "prepared_with": settings, "format": DATASET_FORMAT}
+    atomic_write_bytes(out_dir / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
+    (out_dir / PROGRESS).unlink(missing_ok=True)
+    return meta
+
+
+def _already_prepared(out_dir: Path, settings: dict) -> dict:
+    """A finished folder: the same settings leave it as it is; others would overwrite it."""
+    meta = json.loads((out_dir / "meta.json").read_text())
+    if meta.get("prepared_with") != settings:
+        raise ValueError(f"{out_dir} already holds a dataset prepared with other settings: remove it "
+                         f"or choose another --out_dir")
+    for entry in meta["shards"]["train"] + meta["shards"]["val"]:
+        file = out_dir / entry["file"]
+        if not file.is_file() or file.stat().st_size != 1024 + 2 * entry["tokens"]:
+            raise ValueError(f"{file} is missing or changed: remove {out_dir} and prepare again")
+    print(f"{out_dir} is already prepared ({meta['train_tokens'] + meta['val_tokens']:,} tokens)")
+    return meta
+
+
+def _read_progress(out_dir: Path, settings: dict) -> dict:
+    path = out_dir / PROGRESS
+    if not path.is_file():
+        return {"counts": [], "streams": {}}
+    progress = json.loads(path.read_text())
+    if progress.get("settings") != settings:
+        raise ValueError(f"{out_dir} holds an interrupted prepare with other settings "
+                         f"({path}): rerun it with the same options, or remove {out_dir}")
+    for stream in progress["streams"].values():
+        for shard in stream["shards"]:
+            file = out_dir / shard["file"]
+            if not file.is_file() or file.stat().st_size != 1024 + 2 * shard["tokens"]:
+                raise ValueError(f"{file} is missing or changed since it was written: remove "
+                                 f"{out_dir} and prepare again")
+    print(f"resuming: {sum(len(s['shards']) for s in progress['streams'].values())} shards "
+          f"already written in {out_dir}")
+    return progress

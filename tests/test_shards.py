@@ -1,0 +1,274 @@
+"""Corpora as token shards: the FineWeb and OpenWebText prepare scripts on local files (the hub is
+never touched), llm.c's shard format, and training over many shards with the loader's guarantees."""
+
+import hashlib
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import train
+from config import resolve
+from data.dataset import Shard, read_shard_header, write_shard
+from data.tokenizers import gpt2_encoding
+from harness import REPO, make_char_dataset, shard_dataset, tiny_args
+from loader import ShardedTokenLoader, Tokens
+from test_distributed import _record_epochs, assert_close_runs, train_log, train_run
+
+WORDS = ("the king queen fool lord speaks laughs sleeps at night in the hall for love again softly "
+         "what news, my good sir? none at all! 'tis cold; 42 ducats").split()
+
+
+def documents(n: int, seed: int) -> list:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 300))) + "\n" for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """~1 MB of text in three files: two parquet (with another column beside `text`), one jsonl."""
+    folder = tmp_path_factory.mktemp("corpus")
+    docs = documents(2400, seed=0)
+    for i, part in enumerate((docs[:900], docs[900:1600])):
+        pq.write_table(pa.table({"id": list(range(len(part))), "text": part}), folder / f"part{i}.parquet",
+                       row_group_size=128)
+    with open(folder / "part2.jsonl", "w") as f:
+        for d in docs[1600:]:
+            f.write(json.dumps({"text": d, "url": "x"}) + "\n")
+    return folder, docs
+
+
+def encoded(docs) -> np.ndarray:
+    enc = gpt2_encoding(verbose=False)
+    return np.concatenate([[50256] + enc.encode_ordinary(d) for d in docs]).astype(np.uint16)
+
+
+def shard_tokens(folder: Path, entries) -> np.ndarray:
+    return np.concatenate([np.fromfile(folder / e["file"], dtype=np.uint16, offset=1024) for e in entries])
+
+
+def prepare(script: str, *args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, f"data/{script}/prepare.py", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_fineweb_prepare_writes_llm_c_shards_of_every_document_after_an_eot(corpus, tmp_path):
+    folder, docs = corpus
+    out = tmp_path / "fineweb"
+    proc = prepare("fineweb", f"--input={folder}/part*", f"--out_dir={out}", "--shard_tokens=40000", "--workers=2")
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    entries = meta["shards"]["val"] + meta["shards"]["train"]
+    assert [e["file"] for e in entries] == [f"fineweb_{'val' if i == 0 else 'train'}_{i:06d}.bin"
+                                            for i in range(len(entries))]  # the first shard is val
+    assert len(entries) >= 5 and all(e["tokens"] == 40000 for e in entries[:-1])
+    for e in entries:
+        header = np.fromfile(out / e["file"], dtype="<i4", count=256)
+        assert header[:3].tolist() == [20240520, 1, e["tokens"]] and not header[3:].any()
+        assert (out / e["file"]).stat().st_size == 1024 + 2 * e["tokens"]
+        assert read_shard_header(out / e["file"]) == ("uint16", e["tokens"])
+    expected = encoded(docs)  # tiktoken's tokens of the same documents, each after one EOT
+    assert meta["train_tokens"] + meta["val_tokens"] == len(expected)
+    assert np.array_equal(shard_tokens(out, entries), expected)
+    assert meta["documents"] == len(docs) and meta["source"]["input"] == f"{folder}/part*"
+    assert all(hashlib.sha256((out / e["file"]).read_bytes()).hexdigest() == e["sha256"] for e in entries)
+    assert sorted(p.name for p in out.iterdir()) == sorted([e["file"] for e in entries] + ["meta.json"])
+
+
+def test_openwebtext_prepare_splits_documents_by_nanogpts_rule(corpus, tmp_path):
+    folder, docs = corpus
+    out = tmp_path / "owt"
+    proc = prepare("openwebtext", f"--input={folder}/part*", f"--out_dir={out}", "--shard_tokens=100000",
+                   "--workers=2")
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    # datasets' train_test_split(test_size=0.0005, seed=2357): the first ceil(0.0005 n) of the permutation
+    val = set(np.random.default_rng(2357).permutation(len(docs))[:2].tolist())
+    assert np.array_equal(shard_tokens(out, meta["shards"]["val"]), encoded([d for i, d in enumerate(docs) if i in val]))
+    assert np.array_equal(shard_tokens(out, meta["shards"]["train"]),
+                          encoded([d for i, d in enumerate(docs) if i not in val]))
+    assert meta["shards"]["val"][0]["file"] == "openwebtext_val_000000.bin"
+
+
+def test_a_prepare_killed_midway_continues_to_byte_identical_shards(corpus, tmp_path):
+    folder, _ = corpus
+    args = [f"--input={folder}/part*", "--shard_tokens=3000", "--workers=1"]
+    assert prepare("fineweb", *args, f"--out_dir={tmp_path / 'straight'}").returncode == 0
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "data/fineweb/prepare.py", *args, f"--out_dir={out}"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    progress = out / ".progress.json"
+    deadline = time.monotonic() + 60
+    while not (progress.exists() and len(json.loads(progress.read_text() or "{}").get("streams", {})
+                                          .get("stream", {}).get("shards", [])) >= 5):
+        assert proc.poll() is None, "the prepare finished before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "meta.json").exists()
+    resumed = prepare("fineweb", *args, f"--out_dir={out}")
+    assert resumed.returncode == 0 and "resuming: " in resumed.stdout, resumed.stderr
+    straight = {p.name: p.read_bytes() for p in (tmp_path / "straight").iterdir()}
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == straight  # no temporaries, no progress file
+
+
+def test_preparing_again_leaves_a_finished_dataset_alone(corpus, tmp_path):
+    folder, _ = corpus
+    args = [f"--input={folder}/part2.jsonl", f"--out_dir={tmp_path}", "--shard_tokens=50000", "--workers=1"]
+    assert prepare("fineweb", *args).returncode == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    again = prepare("fineweb", *args)
+    assert again.returncode == 0 and "is already prepared" in again.stdout
+    other = prepare("fineweb", *args[:-2], "--shard_tokens=60000", "--workers=1")
+    assert other.returncode == 2 and "already holds a dataset prepared with other settings" in other.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def write_llm_c_shard(path: Path, tokens, magic=20240520, version=1, dtype=np.uint16):
+    """An independent writer of llm.c's format: header of 256 int32, then the tokens."""
+    header = np.zeros(256, dtype=np.int32)
+    header[0], header[1], header[2] = magic, version, len(tokens)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype=dtype).tobytes())
+
+
+def test_shards_from_another_writer_train_as_they_are(tmp_path):
+    data = tmp_path / "pretokenized"  # no meta.json: read as GPT-2 BPE tokens
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    write_llm_c_shard(data / "mini_val_000000.bin", rng.integers(0, 50257, 3000))
+    for i in (1, 2):
+        write_llm_c_shard(data / f"mini_train_{i:06d}.bin", rng.integers(0, 50257, 5000))
+    result = train.main(resolve(tiny_args(data, tmp_path / "out", max_iters=4, eval_interval=2)))
+    assert result["step"] == 4 and np.isfinite(result["val_loss"])
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 50257 and meta["train_tokens"] == 10000
+    assert sorted(p.name for p in data.iterdir()) == ["mini_train_000001.bin", "mini_train_000002.bin",
+                                                      "mini_val_000000.bin"]  # nothing written there
+    write_llm_c_shard(tmp_path / "wide.bin", [70000, 1], magic=20240801, version=7, dtype=np.uint32)
+    assert read_shard_header(tmp_path / "wide.bin") == ("uint32", 2)
+
+
+def test_a_window_never_crosses_a_shard_end(tmp_path):
+    lengths, offset = (100, 37, 260, 5, 81), 0
+    shards = []
+    for i, n in enumerate(lengths):  # token value = its position in the split, unique across shards
+        write_shard(tmp_path / f"s{i}.bin", np.arange(offset, offset + n, dtype=np.uint16))
+        shards.append(Shard(tmp_path / f"s{i}.bin", "uint16", 1024, n))
+        offset += n
+    ends = np.cumsum(lengths)
+    loader = ShardedTokenLoader(Tokens(shards), 8, 4, 8, 0, 1, seed=0)
+    for epoch in range(8):
+        loader.set_epoch(epoch)
+        seen = []
+        while not loader.epoch_done:
+            x, y = loader.next_batch()
+            rows = torch.cat([x, y[:, -1:]], dim=1).numpy()
+            assert (np.diff(rows, axis=1) == 1).all()  # consecutive tokens of one shard
+            shard_of = np.searchsorted(ends, rows, side="right")
+            assert (shard_of == shard_of[:, :1]).all()
+            seen += rows[:, 0].tolist()
+        assert len(seen) == len(set(seen)) == loader.windows_per_epoch
+    assert loader.n_windows == sum(max(n // 8 - 1, 0) for n in lengths)
+
+
+@pytest.fixture(scope="module")
+def sharded(char_data, tmp_path_factory):
+    return shard_dataset(char_data, tmp_path_factory.mktemp("sharded") / "data")
+
+
+def test_world_size_invariance_and_exact_resume_hold_over_shards(sharded, tmp_path):
+    for w in (1, 2):
+        train_run(w, sharded, tmp_path / f"w{w}")
+    assert_close_runs(tmp_path / "w1", tmp_path / "w2")
+    legs = tmp_path / "legs"
+    train_run(2, sharded, legs, max_iters=4)
+    train_run(2, sharded, legs, resume="auto")
+    a, b = (torch.load(d / "last.pt", weights_only=True) for d in (tmp_path / "w2", legs))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert train_log(tmp_path / "w2") == train_log(legs)
+
+
+def test_epochs_over_shards_never_repeat_a_window_and_resume_on_the_boundary(char_data, tmp_path, monkeypatch):
+    (tmp_path / "small").mkdir()
+    small = shard_dataset(make_char_dataset(tmp_path / "small", n_chars=3000), tmp_path / "sharded")
+    meta = json.loads((small / "meta.json").read_text())
+    ends = np.cumsum([s["tokens"] for s in meta["shards"]["train"]])
+    monkeypatch.setenv("EPOCH_LOG", str(tmp_path / "epochs"))
+    common = dict(max_iters=20, lr_decay_iters=20, eval_interval=10)
+    train_run(2, small, tmp_path / "straight", patch=_record_epochs, **common)
+    per_epoch = {}
+    for rank in range(2):
+        for line in (tmp_path / f"epochs.{rank}").read_text().splitlines():
+            event = json.loads(line)
+            if "starts" in event:
+                per_epoch.setdefault(event["epoch"], []).extend(event["starts"])
+    assert len(per_epoch) >= 2
+    for starts in per_epoch.values():
+        assert len(starts) == len(set(starts))
+        starts = np.array(starts)
+        assert (np.searchsorted(ends, starts, side="right") == np.searchsorted(ends, starts + 16, side="right")).all()
+    steps_per_epoch = len(per_epoch[0]) // 16
+    legs = tmp_path / "legs"
+    train_run(2, small, legs, **{**common, "max_iters": steps_per_epoch, "eval_interval": steps_per_epoch})
+    assert torch.load(legs / "last.pt", weights_only=True)["loader"]["position"] == steps_per_epoch * 16
+    train_run(2, small, legs, **common, resume="auto")
+    a, b = (torch.load(d / "last.pt", weights_only=True) for d in (tmp_path / "straight", legs))
+    assert a["loader"] == b["loader"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: (d / "c.jsonl").write_text('{"body": "no text here"}\n'), "c.jsonl, line 1: no 'text' field"),
+    (lambda d: pq.write_table(pa.table({"content": ["x"]}), d / "c.parquet"), "c.parquet has no 'text' column"),
+    (lambda d: (d / "c.jsonl").write_text(""), "the corpus holds no documents"),
+    (lambda d: (d / "c.txt").write_text("a short corpus"), "gives no train shard: too small for --shard_tokens"),
+])
+def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, make, message):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    make(corpus)
+    out = tmp_path / "out"
+    proc = prepare("fineweb", f"--input={corpus}/*", f"--out_dir={out}", "--workers=1")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1
+    assert not list(out.glob("*.bin")) and not (out / "meta.json").exists()
+
+
+def bad_length(d):
+    write_llm_c_shard(d / "x_train_000001.bin", np.arange(5000))
+    with open(d / "x_train_000001.bin", "ab") as f:
+        f.write(b"\0\0")  # one token more than the header says
+
+
+@pytest.mark.parametrize("make, message", [
+    (bad_length, "x_train_000001.bin: its header says 5,000 tokens but the file holds 5,001"),
+    (lambda d: write_llm_c_shard(d / "x_train_000001.bin", np.arange(5000), magic=20240801, version=7,
+                                 dtype=np.uint32), "shards of mixed dtypes"),
+    (lambda d: (d / "x_train_000001.bin").unlink(), "has no meta.json and no *train*.bin shard"),
+    (lambda d: write_llm_c_shard(d / "x_train_000001.bin", np.arange(5000), magic=12345),
+     "x_train_000001.bin: magic number 12345 is not a token shard's"),
+])
+def test_broken_shards_are_one_line_errors_before_training(tmp_path, capsys, make, message):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_llm_c_shard(data / "x_val_000000.bin", np.arange(3000))
+    write_llm_c_shard(data / "x_train_000001.bin", np.arange(5000))
+    make(data)
+    with pytest.raises(SystemExit) as exit_info:
+        train.cli(tiny_args(data, tmp_path / "out"))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
