@@ -18,7 +18,9 @@ rank 0 writes the run's figures to FILE.
 
 Figures: tokens/s = tokens per optimizer step / mean step time (the slowest rank's, per step);
 comm share = 1 - (step time with the gradient all-reduce skipped on every micro-step) / (step
-time with it), the share of a step spent waiting on communication that compute did not hide;
+time with it), the share of a step spent waiting on communication that compute did not hide
+(under fsdp only the gradient reduce-scatter is skipped: the weight all-gathers stay, and with
+no gradients reduced the optimizer has nothing to step, so its comm share is a lower bound);
 peak memory per rank (CUDA's max allocated, or the process's peak RSS on the CPU); the model
 state each rank holds (parameters, gradients, optimizer moments); MFU on GPUs with a known
 peak; scaling efficiency = tokens/s on N processes / (N x tokens/s on one), same global batch.
@@ -40,16 +42,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from config import FIELD_TYPES, resolve
+from config import resolve
 from data.dataset import write_dataset
 from errors import ConfigError, RunError
 from launch import (World, any_rank, find_world, pick_backend, pick_device, pick_dtype, process_group,
                     use_device)
 from loader import Dataset
+from parallel import STRATEGIES
 from train import accumulation_steps, build_run, optimizer_step
 
 REPO = Path(__file__).resolve().parent
-STRATEGIES = ("ddp", "fsdp") if "strategy" in FIELD_TYPES else ("ddp",)
 GPT2_VOCAB = 50257
 
 
@@ -105,13 +107,16 @@ def state_bytes(run) -> dict:
     return {"parameters": params, "gradients": params, "optimizer": optimizer}
 
 
-def profile_steps(run, device, out: Path, steps: int = 3):
-    """A table of the ops and kernels of a few steps, by device time, and totals by kind."""
+def profile_steps(run, device, out: Path, write: bool, steps: int = 3):
+    """A table of the ops and kernels of a few steps, by device time, and totals by kind. Every
+    rank runs the steps (they communicate); the one that writes is rank 0."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         timed_steps(run, steps, device)
+    if not write:
+        return
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
     kinds = {}
@@ -165,8 +170,8 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
         if world.size > 1:  # the same steps with no gradient communication at all
             timed_steps(run, 1, device, sync=False)
             nosync = slowest_rank(timed_steps(run, steps, device, sync=False), world)
-        if profile_dir and world.is_master:
-            profile_steps(run, device, Path(profile_dir))
+        if profile_dir:
+            profile_steps(run, device, Path(profile_dir), write=world.is_master)
         figures = dict(
             world_size=world.size, accumulation_steps=accum, tokens_per_step=run.tokens_per_step,
             step_times=times, step_times_nosync=nosync, peak_memory=per_rank(peak, world),
@@ -210,13 +215,14 @@ def markdown(rows: list, info: dict) -> str:
     lines = [f"{info['device']} | torch {info['torch']} | {info['host']} | {info['data']} data | "
              f"dtype {info['dtype']} | compile {info['compile']}", "",
              "| strategy | processes | global batch (accum) | tokens/s | step time | comm share | "
-             f"memory per rank ({info['memory_kind']}) | MFU | scaling efficiency |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"memory per rank ({info['memory_kind']}) | model state per rank | MFU | scaling efficiency |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['strategy']} | {r['nproc']} | {r['global_batch_size']} ({r['accumulation_steps']}) | "
                      f"{r['tokens_per_sec']:,.0f} | {r['step_time_s'] * 1e3:,.1f} ms ± "
                      f"{r['step_time_std_s'] * 1e3:,.1f} | {pct(r['comm_share'])} | "
-                     f"{gib(r['peak_memory_bytes'])} | {pct(r['mfu'])} | {pct(r['scaling_efficiency'])} |")
+                     f"{gib(r['peak_memory_bytes'])} | {gib(sum(r['state_bytes'].values()))} | {pct(r['mfu'])} | "
+                     f"{pct(r['scaling_efficiency'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -295,7 +301,7 @@ def main(argv=None):
         for strategy in strategies:
             for n in nprocs:
                 result = Path(tmp) / f"{strategy}-{n}.json"
-                extra = [f"--strategy={strategy}"] if "strategy" in FIELD_TYPES else []
+                extra = [f"--strategy={strategy}"]
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                        str(REPO / "bench.py"), "--worker", f"--result={result}", f"--steps={steps}",
                        f"--warmup={warmup}", f"--report={report}", *cfg_args, *extra]

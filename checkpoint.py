@@ -10,10 +10,13 @@ control group, and each rank briefly holds a second copy of it in memory.
 """
 
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -21,7 +24,7 @@ import torch.distributed as dist
 
 from config import Config
 from data.files import atomic_write
-from errors import CheckpointNotWritten, ConfigError, OutDirUnwritable, first_line
+from errors import CheckpointNotWritten, ConfigError, OutDirBusy, OutDirUnwritable, first_line
 from launch import World, agree_or_raise, any_rank
 from model import GPTConfig
 
@@ -73,10 +76,11 @@ def save(state: dict, out_dir: Path, best: bool):
         link_or_copy(last, out_dir / "best.pt")
 
 
-def prepare_out_dir(out_dir: Path, world: World):
-    """Find out now, not at the first checkpoint, that rank 0 cannot write to out_dir."""
-    error = None
-    if world.is_master:
+def prepare_out_dir(out_dir: Path, world: World, lock: "OutDirLock"):
+    """Find out now, not at the first checkpoint, that rank 0 cannot write to out_dir, or that
+    another run holds it (every rank raises the same message)."""
+    error = lock.error
+    if world.is_master and error is None:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             for path in remove_stale_temporaries(out_dir):
@@ -85,7 +89,54 @@ def prepare_out_dir(out_dir: Path, world: World):
                 pass
         except OSError as e:
             error = str(OutDirUnwritable(out_dir, e))
-    agree_or_raise(error, world, "rank 0 cannot write to out_dir: see its message")
+    agree_or_raise(error, world, "rank 0 cannot use out_dir: see its message", share=True)
+
+
+class OutDirLock:
+    """Rank 0's exclusive lock on out_dir for the whole run: an fcntl lock on out_dir/run.lock,
+    which the OS drops when the process ends, however it ends, so a dead run never blocks. The
+    file names its holder (host, pid, start time). sample.py and other readers never lock.
+
+    Rank 0 tries it before the process group forms; a failure is kept and raised on every rank
+    at the group's first agreement (prepare_out_dir), since only rank 0 sees its out_dir."""
+
+    def __init__(self, out_dir, world: World):
+        self.fd, self.error = None, None
+        if not world.is_master:
+            return
+        path = Path(out_dir) / "run.lock"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            self.error = str(OutDirUnwritable(out_dir, e))
+        else:
+            self._take(out_dir)
+        if self.error and world.size == 1:
+            raise ConfigError(self.error)  # alone: say it at once
+
+    def _take(self, out_dir):
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(self.fd, 4096).decode(errors="replace")
+            self.release()
+            self.error = str(OutDirBusy(out_dir, holder))
+            return
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                      "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode())
+
+    def release(self):
+        if self.fd is not None:
+            os.close(self.fd)  # drops the lock; the file stays (unlinking it would race a new run)
+            self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
 
 
 def remove_stale_temporaries(out_dir: Path) -> list:
@@ -206,17 +257,22 @@ def load_for_resume(cfg: Config, model_args: dict):
 def load_on_rank0(cfg: Config, model_args: dict, world: World):
     """The checkpoint this run continues from, or None, on every rank: rank 0 reads and checks
     it (other hosts need no copy of the file) and sends it, or its error, to the others."""
-    ckpt, error = None, None
+    return on_rank0(lambda: load_for_resume(cfg, model_args), world)
+
+
+def on_rank0(read, world: World):
+    """read() on rank 0; its result (tensors and plain values) or its ConfigError on every rank."""
+    result, error = None, None
     if world.is_master:
         try:
-            ckpt = load_for_resume(cfg, model_args)
+            result = read()
         except ConfigError as e:
             error = str(e)
     if world.size > 1:
-        ckpt, error = share_from_rank0(ckpt, error, world.group)
+        result, error = share_from_rank0(result, error, world.group)
     if error:
         raise ConfigError(error)
-    return ckpt
+    return result
 
 
 def _pack(obj, tensors: list):

@@ -36,7 +36,8 @@ class Config:
     dataset: str = "shakespeare_char"       # a folder under data/ with a prepare.py
     data_dir: str = ""                      # where train.bin/val.bin/meta.json live; "" = data/<dataset>
     prepare_input: str = ""                 # a local text file for prepare.py instead of a download
-    init_from: str = "scratch"              # weights when nothing is resumed: "scratch", or "resume" (a checkpoint must exist)
+    init_from: str = "scratch"              # weights when nothing is resumed: "scratch", "resume" (a checkpoint
+                                            # must exist), gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a folder
     resume: str = "auto"                    # continue a checkpoint: "auto" (out_dir/last.pt if present), "never", or a .pt path
     eval_interval: int = 250                # optimizer steps between evals (and checkpoints)
     eval_iters: int = 20                    # eval windows per split = eval_iters x global_batch_size
@@ -71,6 +72,9 @@ class Config:
     backend: str = "auto"                   # "auto" (nccl on CUDA, else gloo), "gloo", "nccl", "mpi"
     dtype: str = "auto"                     # "auto", "float32", "bfloat16", "float16"
     compile: bool = False                   # torch.compile the model
+    strategy: str = "ddp"                   # "ddp" (a whole copy per rank) or "fsdp" (FSDP2, sharded)
+    fsdp_reshard: bool = True               # fsdp: free gathered weights after forward (ZeRO-3), or keep them
+    activation_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
     dist_timeout: float = 600.0             # seconds a collective may wait for a peer
     peak_flops: float = 0.0                 # device peak FLOP/s for MFU; 0 = model.py's table
     # logging
@@ -83,10 +87,11 @@ class Config:
 
 
 FIELD_TYPES = typing.get_type_hints(Config)
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CHOICES = {
-    "init_from": ("scratch", "resume"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "backend": ("auto", "gloo", "nccl", "mpi"),
+    "strategy": ("ddp", "fsdp"),
 }
 
 
@@ -165,6 +170,13 @@ def load_file(path: str) -> dict:
     return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, skip)}
 
 
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).exists()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+        return False
+
+
 def validate(cfg: Config) -> Config:
     """Range checks that do not depend on the world size or the device (train.py checks
     global_batch_size against batch_size x world size once it knows the world)."""
@@ -193,6 +205,11 @@ def validate(cfg: Config) -> Config:
         need(getattr(cfg, name) in choices, f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
     need(cfg.resume in ("auto", "never") or Path(cfg.resume).suffix == ".pt",
          f"resume must be 'auto', 'never' or a path to a .pt checkpoint, got {cfg.resume!r}")
+    known = ("scratch", "resume", *GPT2_NAMES)
+    if cfg.init_from not in known and "/" not in cfg.init_from and not _exists(cfg.init_from):
+        close = difflib.get_close_matches(cfg.init_from, known, n=1)
+        raise ConfigError(f"init_from {cfg.init_from!r} is not scratch, resume, a GPT-2 name ({', '.join(GPT2_NAMES)}) "
+                          f"or a folder" + (f": did you mean '{close[0]}'?" if close else ""))
     need(not (cfg.init_from == "resume" and cfg.resume == "never"),
          "init_from='resume' needs a checkpoint but resume='never' forbids one: use --resume=auto "
          "(out_dir/last.pt) or --resume=PATH.pt, or --init_from=scratch")

@@ -39,6 +39,25 @@ class OutDirUnwritable(ConfigError):
                          f"--out_dir or fix its permissions")
 
 
+class OutDirBusy(ConfigError):
+    def __init__(self, out_dir, holder: str):
+        import json
+        try:
+            h = json.loads(holder)
+            who = f"the run started {h['started']} as pid {h['pid']} on {h['host']}"
+        except (ValueError, KeyError, TypeError):
+            who = "another run"
+        super().__init__(f"out_dir {out_dir} is in use by {who} (it holds {out_dir}/run.lock): wait for "
+                         f"it to end, stop it, or give this run another --out_dir")
+
+
+class BadTokenId(ConfigError):
+    def __init__(self, token: int, vocab_size: int, path, position: int):
+        super().__init__(f"{path} holds token id {token} at token position {position:,}, past the vocabulary "
+                         f"({vocab_size} ids): the file is damaged or was made with another tokenizer; "
+                         f"prepare the dataset again (its prepare.py). The checkpoints were not touched")
+
+
 class GroupNotFormed(RunError):
     def __init__(self, rank: int, world_size: int, address: str, dist_timeout: float, e: Exception):
         super().__init__(

@@ -61,10 +61,36 @@ def any_rank(flag: bool, world: World) -> bool:
     return bool(votes.item())
 
 
-def agree_or_raise(error, world: World, elsewhere: str):
-    """Raise ConfigError on every rank if any rank has an error; the others say `elsewhere`."""
+def mean_over_ranks(value: torch.Tensor, world: World) -> float:
+    if world.size > 1:  # called at log time only: one small all-reduce per log line
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= world.size
+    return value.item()
+
+
+def agree_or_raise(error, world: World, elsewhere: str, share: bool = False):
+    """Raise ConfigError on every rank if any rank has an error; the others say `elsewhere`, or
+    with share=True the first rank's own message (one more collective, on failure only)."""
     if any_rank(error is not None, world):
-        raise ConfigError(error or elsewhere)
+        raise ConfigError(first_error(error, world) if share else error or elsewhere)
+
+
+def agree_max(values: list, world: World) -> list:
+    """Each value's largest over all ranks (integers): one all-reduce; every rank must call it."""
+    if world.size == 1:
+        return list(values)
+    votes = torch.tensor([int(v) for v in values])
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=world.group)
+    return votes.tolist()
+
+
+def first_error(error, world: World) -> str:
+    """The lowest rank's message, on every rank, once the ranks agreed that one has an error."""
+    if world.size == 1:
+        return error
+    errors = [None] * world.size
+    dist.all_gather_object(errors, error, group=world.group)
+    return next(e for e in errors if e is not None)
 
 
 # -----------------------------------------------------------------------------
@@ -220,27 +246,27 @@ def use_device(device: torch.device, dtype: torch.dtype, world: World):
 # signals and failures
 
 class StopSignal:
-    """SIGTERM (a scheduler's preemption, torchrun passing it on) asks the run to stop
-    at the next step boundary; all ranks agree on it, so they stop together."""
+    """SIGTERM (a scheduler's preemption, torchrun passing it on) or SIGINT (Ctrl-C) asks the run
+    to stop at the next step boundary, with a checkpoint; all ranks agree on it, so they stop
+    together. Another Ctrl-C changes nothing: to end at once, without saving, kill -9."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
-        self.received = False
-        self.previous = None
+        self.received = 0  # the signal's number
+        self.previous = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # only there can it be set
-            self.previous = signal.signal(signal.SIGTERM, self._handle)
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
 
     def _handle(self, signum, frame):
-        self.received = True
+        self.received = signum
 
     def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
-
-    def agreed(self, world: World) -> bool:
-        return any_rank(self.received, world)
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 COMM_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "socket", "peer", "closed")

@@ -21,6 +21,7 @@ it is missing.
 """
 
 import importlib
+from typing import Optional
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ import torch
 
 from config import Config
 from data.dataset import Shard, check_token_files, has_tokens, load_meta, split_shards
-from errors import ConfigError
+from errors import BadTokenId, ConfigError
 from launch import World, agree_or_raise
 
 REPO = Path(__file__).resolve().parent
@@ -37,8 +38,11 @@ REPO = Path(__file__).resolve().parent
 class Tokens:
     """The tokens of one split: its shards, memory-mapped past their headers, end to end."""
 
-    def __init__(self, shards: list):
+    def __init__(self, shards: list, vocab_size: Optional[int] = None):
         shards = [s for s in shards if s.tokens > 0]
+        self.paths = [s.path for s in shards]
+        self.vocab_size = vocab_size  # when given, every window read is checked against it
+        self.bad = None               # the first id past the vocabulary: a BadTokenId message
         self.arrays = [np.memmap(s.path, dtype=np.dtype(s.dtype), mode="r", offset=s.offset,
                                  shape=(s.tokens,)) for s in shards]
         self.lengths = np.array([s.tokens for s in shards], dtype=np.int64)
@@ -53,10 +57,18 @@ class Tokens:
         return int(self.offsets[-1])
 
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
-        """The `length` tokens from each global start position, as int64 rows."""
+        """The `length` tokens from each global start position, as int64 rows. An id past the
+        vocabulary is recorded in self.bad (file and position) and read as 0, so the model never
+        indexes past its table (on a GPU, a device-side assert); the caller agrees on self.bad."""
         shard = np.searchsorted(self.offsets, starts, side="right") - 1
         local = starts - self.offsets[shard]
-        return np.stack([self.arrays[s][i:i + length] for s, i in zip(shard, local)]).astype(np.int64)
+        rows = np.stack([self.arrays[s][i:i + length] for s, i in zip(shard, local)])
+        if self.vocab_size is not None and rows.size and rows.max() >= self.vocab_size:  # ~10 us a batch
+            r, c = np.argwhere(rows >= self.vocab_size)[0]
+            if self.bad is None:
+                self.bad = str(BadTokenId(int(rows[r, c]), self.vocab_size, self.paths[shard[r]], int(local[r] + c)))
+            rows = np.where(rows >= self.vocab_size, 0, rows)
+        return rows.astype(np.int64)
 
     def grid(self, per_shard: np.ndarray, stride: int, offset: int, ids: np.ndarray) -> np.ndarray:
         """Global start positions of windows numbered `ids` over all shards, shard by shard,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.nn import functional as F
 
 
@@ -102,6 +103,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    checkpoint_activations = False  # recompute this block in backward (train.py's activation_checkpointing)
 
     def __init__(self, config):
         super().__init__()
@@ -111,6 +113,12 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cache=None, pos=0):
+        if self.checkpoint_activations and self.training and torch.is_grad_enabled():
+            # keep only the block's input; its activations are recomputed during backward
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x, cache, pos)
+
+    def _forward(self, x, cache=None, pos=0):
         x = x + self.attn(self.ln_1(x), cache, pos)  # pre-LayerNorm residual blocks
         x = x + self.mlp(self.ln_2(x))
         return x
@@ -322,3 +330,69 @@ def peak_flops_for(device_name):
         if substring.lower() in device_name.lower():
             return flops
     return None
+
+
+# -----------------------------------------------------------------------------
+# GPT-2 in Hugging Face's layout (transformers' GPT2LMHeadModel): the same names, under
+# "transformer." (older files drop the prefix); Conv1D layers store their weight as (in, out),
+# the transpose of nn.Linear's; attention mask buffers (".attn.bias", ".attn.masked_bias") are
+# not weights; lm_head.weight is the token embedding.
+
+HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def _is_mask_buffer(name):
+    return name.endswith((".attn.bias", ".attn.masked_bias"))
+
+
+def gpt2_from_hf(hf_state, model):
+    """`model`'s state dict from a Hugging Face GPT-2 state dict, every name checked one to one.
+
+    The position table is cropped to model's block_size and the token rows padded to its
+    padded vocabulary. Raises ValueError naming the first tensor that is missing, extra or of
+    another shape.
+    """
+    expected = model.state_dict()
+    got = {}
+    for name, tensor in hf_state.items():
+        name = name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
+        if _is_mask_buffer(name) or name == "lm_head.weight":
+            continue
+        got[name] = tensor.t() if name.endswith(HF_TRANSPOSED) else tensor
+    names = expected.keys() - {"lm_head.weight"}
+    for problem, found in (("lack", sorted(names - got.keys())), ("hold an unknown tensor", sorted(got.keys() - names))):
+        if found:
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            raise ValueError(f"the GPT-2 weights {problem} {found[0]}{more}")
+    cfg = model.config
+    got["transformer.wpe.weight"] = got["transformer.wpe.weight"][:cfg.block_size]
+    wte = got["transformer.wte.weight"]
+    if wte.shape[0] == cfg.vocab_size:
+        got["transformer.wte.weight"] = F.pad(wte, (0, 0, 0, cfg.padded_vocab_size - cfg.vocab_size))
+    for name in names:
+        if got[name].shape != expected[name].shape:
+            raise ValueError(f"{name} has shape {tuple(got[name].shape)} in the GPT-2 weights, but "
+                             f"{tuple(expected[name].shape)} in a GPT of n_layer={cfg.n_layer}, "
+                             f"n_head={cfg.n_head}, n_embd={cfg.n_embd}, vocab_size={cfg.vocab_size}")
+    state = {name: got[name].to(torch.float32).contiguous() for name in names}
+    state["lm_head.weight"] = state["transformer.wte.weight"]
+    return state
+
+
+def gpt2_to_hf(model):
+    """A Hugging Face GPT-2 state dict of `model` (lm_head left out: transformers ties it to
+    wte). GPT-2 always has biases; a model without them gets zeros, which compute the same."""
+    cfg = model.config
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        if name == "transformer.wte.weight":
+            tensor = tensor[:cfg.vocab_size]
+        state[name] = (tensor.t() if name.endswith(HF_TRANSPOSED) else tensor).detach().float().contiguous().clone()
+    if not cfg.bias:
+        for name, tensor in list(state.items()):
+            if name.endswith(".weight") and not name.endswith(("wte.weight", "wpe.weight")):
+                out = tensor.shape[-1] if name.endswith(HF_TRANSPOSED) else tensor.shape[0]
+                state[name[:-len("weight")] + "bias"] = torch.zeros(out)
+    return state

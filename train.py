@@ -31,13 +31,15 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
+import parallel
+import pretrained
 from config import Config, resolve
 from errors import ConfigError, Diverged, GlobalBatchIndivisible, RunError
-from launch import (StopSignal, World, collective_failures_explained, find_world, pick_backend,
-                    pick_device, pick_dtype, process_group, strip_local_rank, use_device)
+from launch import (StopSignal, World, agree_max, agree_or_raise, collective_failures_explained, find_world,
+                    first_error, mean_over_ranks, pick_backend, pick_device, pick_dtype, process_group,
+                    strip_local_rank, use_device)
 from data.dataset import split_shards
 from loader import Dataset, ShardedTokenLoader, Tokens, dataset_dir, eval_starts, windows_to_batch
 from logger import Logger
@@ -67,28 +69,31 @@ def evaluate(model, tokens, starts, cfg: Config, world: World, device, autocast)
     totals = torch.zeros(2, dtype=torch.float32 if device.type == "mps" else torch.float64,
                          device=device)  # (sum of token losses, token count)
     mine = starts[world.rank::world.size]
-    for i in range(0, len(mine), cfg.batch_size):
-        x, y = windows_to_batch(tokens, mine[i:i + cfg.batch_size], cfg.block_size, device)
+    # FSDP gathers weights in every forward, so every rank runs as many as rank 0 (spares count 0)
+    n = len(starts[::world.size]) if cfg.strategy == "fsdp" else len(mine)
+    for i in range(0, n, cfg.batch_size):
+        batch = mine[i:i + cfg.batch_size]
+        x, y = windows_to_batch(tokens, batch if len(batch) else starts[:1], cfg.block_size, device)
         with autocast:
             _, loss = model(x, y)
-        totals[0] += loss.to(totals.dtype) * y.numel()
-        totals[1] += y.numel()
+        totals[0] += loss.to(totals.dtype) * y.numel() * (len(batch) > 0)
+        totals[1] += y.numel() * (len(batch) > 0)
     if world.size > 1:
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    agree_or_raise(tokens.bad, world, "", share=True)  # an id past the vocabulary: all ranks stop
     model.train()
     return (totals[0] / totals[1]).item()
 
 
-def accumulate_gradients(model, loader, accum: int, autocast, scaler, sync: bool = True) -> torch.Tensor:
+def accumulate_gradients(model, raw_model, loader, accum: int, autocast, scaler, sync: bool = True):
     """Forward and backward over `accum` micro-batches; return this rank's mean loss (a tensor).
     sync=False skips the gradient all-reduce altogether (bench.py times the step without it)."""
     step_loss = 0.0
     for micro in range(accum):
         x, y = loader.next_batch()
-        # Skip the gradient all-reduce on all but the last micro-step. no_sync must
-        # cover forward too: DDP prepares its reduction during the forward pass.
-        reduce = sync and micro == accum - 1
-        with model.no_sync() if isinstance(model, DDP) and not reduce else nullcontext():
+        # Gradients are communicated on the last micro-step only (DDP's no_sync, FSDP2's
+        # set_requires_gradient_sync); they add up locally on the others.
+        with parallel.skip_gradient_sync(model, raw_model, skip=not (sync and micro == accum - 1)):
             with autocast:
                 _, loss = model(x, y)
             # Each loss is a mean over one micro-batch; dividing by the number of
@@ -103,23 +108,17 @@ def optimizer_step(run: "Run", sync: bool = True):
     mean loss (a tensor: reading it would wait for the GPU) and the gradient norm (or None)."""
     if run.loader.epoch_done:
         run.loader.set_epoch(run.loader.epoch + 1)
-    step_loss = accumulate_gradients(run.model, run.loader, run.accum, run.autocast, run.scaler, sync)
+    step_loss = accumulate_gradients(run.model, run.raw_model, run.loader, run.accum, run.autocast, run.scaler,
+                                     sync)
     grad_norm = None
     if run.cfg.grad_clip > 0:
         run.scaler.unscale_(run.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.cfg.grad_clip)
+        grad_norm = parallel.clip_grad_norm(run.raw_model, run.cfg.grad_clip)  # over all shards
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
     return step_loss, grad_norm
-
-
-def mean_over_ranks(value: torch.Tensor, world: World) -> float:
-    if world.size > 1:  # called at log time only: one small all-reduce per log line
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= world.size
-    return value.item()
 
 
 # -----------------------------------------------------------------------------
@@ -140,7 +139,7 @@ class Run:
     cfg: Config
     world: World
     raw_model: GPT            # the module itself: its state_dict has no module./_orig_mod. prefixes
-    model: torch.nn.Module    # what trains: compiled and/or wrapped for DDP
+    model: torch.nn.Module    # what trains: compiled and/or wrapped for DDP (FSDP shards raw_model in place)
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     loader: ShardedTokenLoader
@@ -159,16 +158,15 @@ class Run:
     def state_dict(self) -> dict:
         """Every rank calls it: the RNG states are gathered from all ranks."""
         rng = checkpoint.gather_rng_states(self.world.size, self.world.group)
-        return dict(format=checkpoint.FORMAT, model=self.raw_model.state_dict(),
-                    optimizer=self.optimizer.state_dict(), scaler=self.scaler.state_dict(),
+        model, optimizer = parallel.full_state(self.raw_model, self.optimizer)  # FSDP: on rank 0 only
+        return dict(format=checkpoint.FORMAT, model=model, optimizer=optimizer, scaler=self.scaler.state_dict(),
                     step=self.step, tokens_seen=self.step * self.tokens_per_step,
                     val_loss=self.val_loss, best_val_loss=self.best_val_loss,
                     config=self.cfg.to_dict(), model_args=self.model_args,
                     loader=self.loader.state_dict(), rng=rng, world_size=self.world.size)
 
     def load_state_dict(self, ckpt: dict):
-        self.raw_model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+        parallel.load_full_state(self.raw_model, self.optimizer, ckpt["model"], ckpt["optimizer"])
         self.scaler.load_state_dict(ckpt["scaler"])
         self.loader.load_state_dict(ckpt["loader"])
         self.step = self.saved_step = ckpt["step"]
@@ -180,8 +178,7 @@ class Run:
                   f"data order continues exactly, dropout streams are derived afresh", flush=True)
 
     def save(self, best: bool):
-        # Weights are the same on every rank, so every rank makes the same decision.
-        if not all(torch.isfinite(p).all() for p in self.raw_model.parameters()):
+        if not parallel.all_finite(self.raw_model, self.world):  # the same answer on every rank
             raise Diverged(f"the weights hold NaN or inf at step {self.step}", self.cfg.learning_rate,
                            self.saved_step)
         checkpoint.save_on_rank0(self.state_dict(), Path(self.cfg.out_dir), best, self.world)
@@ -190,19 +187,25 @@ class Run:
 
 def build_run(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, accum: int,
               meta: dict) -> Run:
-    """Model, optimizer, scaler, loader and eval windows; then the checkpoint, if one continues
-    this run; then compile and DDP, which wrap the restored model."""
+    """Model (sharded for FSDP), optimizer, scaler, loader and eval windows; then the checkpoint,
+    if one continues this run, or GPT-2's weights; then compile and DDP, which wrap the model."""
     data_dir = dataset_dir(cfg)
     # Same seed on every rank for the init, so weights do not depend on the world size.
     torch.manual_seed(cfg.seed)
-    model_args = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, bias=cfg.bias,
-                      block_size=cfg.block_size, vocab_size=meta["vocab_size"], dropout=cfg.dropout,
-                      pad_vocab_to=cfg.pad_vocab_to)
+    if pretrained.is_pretrained(cfg.init_from):  # the shape is GPT-2's; rank 0 reads its config
+        model_args = checkpoint.on_rank0(lambda: pretrained.model_args(cfg.init_from, cfg, meta), world)
+    else:
+        model_args = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, bias=cfg.bias,
+                          block_size=cfg.block_size, vocab_size=meta["vocab_size"], dropout=cfg.dropout,
+                          pad_vocab_to=cfg.pad_vocab_to)
     raw_model = GPT(GPTConfig(**model_args)).to(device)
+    parallel.set_activation_checkpointing(raw_model, cfg.activation_checkpointing)
+    strategy = cfg.strategy if world.size > 1 else "ddp"  # one process: nothing to shard
+    parallel.shard(raw_model, strategy, world, device, dtype, cfg.fsdp_reshard)  # the optimizer sees the shards
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
                                                (cfg.beta1, cfg.beta2), device.type)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    splits = {split: Tokens(shards) for split, shards in split_shards(data_dir, meta).items()}
+    scaler = parallel.make_scaler(device, dtype, strategy)
+    splits = {split: Tokens(shards, meta["vocab_size"]) for split, shards in split_shards(data_dir, meta).items()}
     loader = ShardedTokenLoader(splits["train"], cfg.block_size, cfg.batch_size, cfg.global_batch_size,
                                 world.rank, world.size, cfg.seed, device)
     n_eval = cfg.eval_iters * cfg.global_batch_size  # not per rank: the same windows for any launch
@@ -217,9 +220,10 @@ def build_run(cfg: Config, world: World, device: torch.device, dtype: torch.dtyp
     if ckpt is not None:
         run.load_state_dict(ckpt)
         del ckpt
-    run.model = torch.compile(raw_model) if cfg.compile else raw_model
-    if world.size > 1:
-        run.model = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None)
+    elif pretrained.is_pretrained(cfg.init_from):
+        weights = checkpoint.on_rank0(lambda: pretrained.load_state(cfg.init_from, raw_model), world)
+        parallel.load_full_state(raw_model, optimizer, weights)
+    run.model = parallel.wrap(torch.compile(raw_model) if cfg.compile else raw_model, raw_model, world, device)
     return run
 
 
@@ -227,9 +231,9 @@ def build_run(cfg: Config, world: World, device: torch.device, dtype: torch.dtyp
 # the loop
 
 def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, backend: str,
-          accum: int, dataset: Dataset) -> dict:
+          accum: int, dataset: Dataset, lock: checkpoint.OutDirLock) -> dict:
+    checkpoint.prepare_out_dir(Path(cfg.out_dir), world, lock)
     meta = dataset.ready(world)
-    checkpoint.prepare_out_dir(Path(cfg.out_dir), world)
     run = build_run(cfg, world, device, dtype, accum, meta)
     start_step, raw_model = run.step, run.raw_model
     mfu = ((lambda sequences, seconds: raw_model.estimate_mfu(sequences, seconds, cfg.peak_flops or None))
@@ -239,14 +243,17 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
         torch=torch.__version__, python=sys.version.split()[0], world_size=world.size,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         backend=backend, dtype=str(dtype).removeprefix("torch."), accumulation_steps=accum,
-        tokens_per_step=run.tokens_per_step))
+        tokens_per_step=run.tokens_per_step, model=run.model_args))
     log.say(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | tokens per optimizer step: "
             f"{run.tokens_per_step:,} = {cfg.global_batch_size} sequences x {cfg.block_size} tokens "
             f"({cfg.batch_size} per micro-batch x {world.size} processes x {accum} accumulation steps)")
     if run.resumed_from:
         log.say(f"resuming from {run.resumed_from} at step {run.step}")
+    elif pretrained.is_pretrained(cfg.init_from):
+        log.say(f"weights from {cfg.init_from}: {run.model_args['n_layer']} layers, {run.model_args['n_head']} "
+                f"heads, {run.model_args['n_embd']} wide, positions cropped to {cfg.block_size}")
 
-    stopped = False
+    stopped = 0  # the signal that stopped the run
     with StopSignal() as stop, collective_failures_explained(world, cfg.dist_timeout,
                                                              lambda: f"step {run.step}"):
         while True:
@@ -283,12 +290,15 @@ def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, b
                 log.train_step(run.step, loss, lr, None if grad_norm is None else grad_norm.item(),
                                cfg.batch_size * accum)
             log.advance(run.step)
-            # the last step still evaluates; a SIGTERM then changes nothing
-            if run.step < cfg.max_iters and stop.agreed(world):
+            # one all-reduce: a stop signal, or a token id past the vocabulary, on any rank
+            signum, bad_tokens = agree_max([stop.received, run.loader.tokens.bad is not None], world)
+            if bad_tokens:
+                raise ConfigError(first_error(run.loader.tokens.bad, world))
+            # the last step still evaluates; a signal then changes nothing
+            if run.step < cfg.max_iters and (stopped := signum):
                 run.save(best=False)
-                log.say(f"stopped by SIGTERM at step {run.step}; {cfg.out_dir}/last.pt holds it: "
-                        f"relaunch with resume=auto to continue")
-                stopped = True
+                log.say(f"stopped by {signal.Signals(stopped).name} at step {run.step}; {cfg.out_dir}/last.pt "
+                        f"holds it: relaunch with resume=auto to continue")
                 break
 
     log.close()
@@ -305,8 +315,10 @@ def main(cfg: Config) -> dict:
     dataset = Dataset(cfg)
     accum = accumulation_steps(cfg, world)
     use_device(device, dtype, world)
-    with process_group(world, device, backend, cfg.dist_timeout):
-        return train(cfg, world, device, dtype, backend, accum, dataset)
+    # rank 0 locks out_dir before the group forms (a second run into it stops at the first agreement)
+    with checkpoint.OutDirLock(cfg.out_dir, world) as lock, \
+            process_group(world, device, backend, cfg.dist_timeout):
+        return train(cfg, world, device, dtype, backend, accum, dataset, lock)
 
 
 def cli(argv=None):
@@ -328,8 +340,8 @@ def cli(argv=None):
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
-    if result["stopped"]:  # like any process ended by SIGTERM, but only after saving
-        sys.exit(128 + signal.SIGTERM)
+    if result["stopped"]:  # like any process ended by the signal, but only after saving
+        sys.exit(128 + result["stopped"])
 
 
 if __name__ == "__main__":

@@ -47,9 +47,10 @@ def main(argv=None):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     context = mp.spawn(worker, args=(nproc, args), nprocs=nproc, join=False)
-    # Pass a scheduler's SIGTERM on, as torchrun does: each rank stops at a step boundary and saves.
-    signal.signal(signal.SIGTERM, lambda signum, frame: [os.kill(p.pid, signum) for p in context.processes
-                                                         if p.is_alive()])
+    # Pass SIGTERM (a scheduler) and SIGINT (kill -INT) on, as torchrun does: each rank stops at a
+    # step boundary and saves. (Ctrl-C in a terminal reaches the ranks themselves too.)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: [os.kill(p.pid, signum) for p in context.processes if p.is_alive()])
     try:
         while not context.join():
             pass

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# What each single-GPU speed-up is worth for GPT-2 124M (configs/gpt_small.py: block 1024,
-# 480 sequences per optimizer step, bf16), one bench.py run per variant. Run from the repo
-# root on a GPU machine; the reports end up in $OUT/sweep.tgz (default OUT: out-bench).
+# What each single-GPU speed-up is worth for GPT-2 124M (configs/gpt_small.py: block 1024, bf16,
+# 480 sequences per optimizer step, which 12, 24 and 32 divide), one bench.py run per variant.
+# Run from the repo root on a GPU machine; the reports end up in $OUT/sweep.tgz (default OUT:
+# out-bench).
 set -u
 OUT=${OUT:-out-bench}
 REPORTS=$(mktemp -d)
@@ -12,8 +13,8 @@ timeout 60 python3 bench/attention_kernels.py --batch=24
 variant() {  # name, seconds, bench.py arguments...
   local name=$1 limit=$2; shift 2
   echo "=== $name: $*"
-  timeout "$limit" python3 bench.py configs/gpt_small.py --nproc=1 --steps=${STEPS:-5} --warmup=${WARMUP:-2} \
-    --report="$REPORTS/$name" "$@" > "$REPORTS/$name.log" 2>&1
+  timeout "$limit" python3 bench.py configs/gpt_small.py --global_batch_size=480 --nproc=1 --steps=${STEPS:-5} \
+    --warmup=${WARMUP:-2} --report="$REPORTS/$name" "$@" > "$REPORTS/$name.log" 2>&1
   echo "exit $?"; tail -n 3 "$REPORTS/$name.log"
   [ -f "$REPORTS/$name/profile.txt" ] && sed -n '/device time by kind/,$p' "$REPORTS/$name/profile.txt"
 }

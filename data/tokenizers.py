@@ -9,6 +9,7 @@ source package on the Python package index.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import sys
@@ -25,16 +26,21 @@ WHISPER_PACKAGE = "openai-whisper==20250625"  # its sdist ships the GPT-2 vocabu
 WHISPER_GPT2_MEMBER = "whisper/assets/gpt2.tiktoken"
 REPO_COPY = Path(__file__).resolve().parent / "gpt2.tiktoken"
 
+
 def gpt2_cache_path() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt-train" / "gpt2.tiktoken"
+
+
+def _ranks(data: bytes) -> dict:
+    """gpt2.tiktoken's lines, "base64(token bytes) rank", as {token bytes: rank}."""
+    return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in data.splitlines() if line)}
 
 
 def _gpt2_from_bpe(data: bytes):
     """tiktoken's "gpt2" Encoding from verified gpt2.tiktoken bytes (what load_tiktoken_bpe parses)."""
     import tiktoken
     from tiktoken_ext.openai_public import r50k_pat_str
-    ranks = {base64.b64decode(token): int(rank)
-             for token, rank in (line.split() for line in data.splitlines() if line)}
+    ranks = _ranks(data)
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
 
@@ -129,3 +135,38 @@ def tokenizer_from_meta(meta: dict) -> tuple:
         return (lambda text: enc.encode(text, allowed_special={"<|endoftext|>"}),
                 lambda ids: enc.decode([int(i) for i in ids]))
     raise ValueError(f"unknown tokenizer {meta['tokenizer']!r} in meta.json")
+
+
+def _byte_to_char() -> dict:
+    """GPT-2's printable stand-in for each byte in its vocabulary files: printable Latin-1 bytes
+    stand for themselves, the other 68 bytes for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def write_gpt2_tokenizer_files(folder, model_max_length: int = 1024):
+    """vocab.json, merges.txt and tokenizer_config.json: GPT-2's tokenizer as transformers reads
+    it, made from data/gpt2.tiktoken. Each token of two or more bytes was made by one merge; it
+    is found by running the merges ranked before the token on the token's own bytes."""
+    data = REPO_COPY.read_bytes()
+    check_sha256(data, GPT2_TIKTOKEN_SHA256, str(REPO_COPY))
+    ranks = _ranks(data)
+    to_char = _byte_to_char()
+    text = lambda token: "".join(to_char[b] for b in token)
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) < 2:
+            continue
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:  # merge the lowest-ranked adjacent pair, as BPE does
+            i = min(range(len(parts) - 1), key=lambda j: ranks.get(parts[j] + parts[j + 1], 1 << 30))
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        merges.append(f"{text(parts[0])} {text(parts[1])}")
+    vocab = {**{text(token): rank for token, rank in ranks.items()}, "<|endoftext|>": 50256}
+    folder = Path(folder)
+    atomic_write_bytes(folder / "vocab.json", json.dumps(vocab, ensure_ascii=False).encode())
+    atomic_write_bytes(folder / "merges.txt", ("#version: 0.2\n" + "\n".join(merges) + "\n").encode())
+    config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": model_max_length, "add_prefix_space": False,
+              "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+    atomic_write_bytes(folder / "tokenizer_config.json", (json.dumps(config, indent=1) + "\n").encode())

@@ -40,9 +40,15 @@ def copies(char_data, trained, tmp_path):
     return data, out
 
 
+def nothing_written(out_dir) -> bool:
+    """No checkpoint, config or metrics: at most the run.lock rank 0 took before the checks."""
+    return not out_dir.exists() or [p.name for p in out_dir.iterdir()] == ["run.lock"]
+
+
 def snapshot(*folders) -> dict:
+    """Every file's hash; run.lock is left out: it names the last run that held out_dir, not data."""
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
-            for folder in folders for p in sorted(folder.rglob("*")) if p.is_file()}
+            for folder in folders for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "run.lock"}
 
 
 def run_cli(args, monkeypatch, capsys, rank=0, world_size=1, port=None):
@@ -242,7 +248,7 @@ def test_two_launched_ranks_both_exit_2_and_debug_shows_the_traceback(char_data,
         assert code == 2
         assert "Traceback (most recent call last)" in stderr and "config.py" in stderr
         assert stderr.endswith("error: n_embd (33) must be divisible by n_head (2)\n")
-    assert not (tmp_path / "out").exists()
+    assert nothing_written(tmp_path / "out")
 
 
 @pytest.mark.parametrize("problem, message", [
@@ -257,7 +263,7 @@ def test_train_spawn_exits_2_and_debug_shows_the_traceback(char_data, tmp_path, 
     loud = subprocess.run(args + ["--debug"], cwd=REPO, env=child_env(), capture_output=True, text=True,
                           timeout=120)
     assert loud.returncode == 2 and "Traceback (most recent call last)" in loud.stderr, loud.stderr
-    assert not (tmp_path / "out").exists()
+    assert nothing_written(tmp_path / "out")
 
 
 def _train_rank_recording_config_errors(rank, world_size, args, result_dir, damage_on_rank1=True):
@@ -290,7 +296,7 @@ def test_data_found_bad_after_preparing_on_one_host_stops_every_rank(char_data, 
     assert (fresh / "meta.json").exists()
     assert (tmp_path / "rank1.txt").read_text() == f"{fresh}/train.bin is damaged on rank 1's host"
     assert (tmp_path / "rank0.txt").read_text() == "the dataset check failed on another rank: see its message"
-    assert not (tmp_path / "out").exists()
+    assert nothing_written(tmp_path / "out")
 
 
 def test_a_prepare_that_fails_on_local_rank_0_stops_every_rank(tmp_path):
@@ -309,7 +315,7 @@ def test_a_prepare_that_fails_on_local_rank_0_stops_every_rank(tmp_path):
         f"(byte 0xe9 at offset 3): convert it to UTF-8")
     assert (tmp_path / "rank1.txt").read_text() == ("preparing the dataset failed on another rank: "
                                                     "see its message")
-    assert not (fresh / "meta.json").exists() and not (tmp_path / "out").exists()
+    assert not (fresh / "meta.json").exists() and nothing_written(tmp_path / "out")
 
 
 def test_an_out_dir_rank_0_cannot_write_stops_every_rank_before_training(char_data, tmp_path):
@@ -319,7 +325,7 @@ def test_an_out_dir_rank_0_cannot_write_stops_every_rank_before_training(char_da
     run_ranks(_train_rank_recording_config_errors, 2, tiny_args(char_data, taken, dist_timeout=60),
               tmp_path, False)
     assert (tmp_path / "rank0.txt").read_text().startswith(f"out_dir {taken} cannot be written (")
-    assert (tmp_path / "rank1.txt").read_text() == "rank 0 cannot write to out_dir: see its message"
+    assert (tmp_path / "rank1.txt").read_text() == (tmp_path / "rank0.txt").read_text()  # rank 0's own words
     assert taken.read_text() == "not a folder"
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import parallel
 import train
 from config import resolve
 from errors import ConfigError
@@ -93,7 +94,7 @@ def test_every_rank_reports_the_single_process_val_loss(world_runs, world_size):
 # --- point 2: one gradient all-reduce per optimizer step ------------------------------------
 
 def _count_allreduces(rank):
-    """Patch train.DDP so every bucket all-reduce is counted into $COUNT_FILE.rank."""
+    """Patch parallel.DDP so every bucket all-reduce is counted into $COUNT_FILE.rank."""
     import os
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -103,12 +104,12 @@ def _count_allreduces(rank):
         path.write_text(str(int(path.read_text() or 0) + 1) if path.exists() else "1")
         return allreduce_hook(state, bucket)
 
-    class CountingDDP(train.DDP):
+    class CountingDDP(parallel.DDP):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.register_comm_hook(None, counting_hook)
 
-    train.DDP = CountingDDP
+    parallel.DDP = CountingDDP
 
 
 @pytest.mark.parametrize("batch_size, accum", [(16, 1), (4, 4)])
@@ -129,7 +130,7 @@ def _accumulate(rank, world_size, data_dir, out_file, variant):
     from loader import ShardedTokenLoader, Tokens
     from model import GPT, GPTConfig
     torch.manual_seed(0)
-    model = train.DDP(GPT(GPTConfig(block_size=16, vocab_size=23, n_layer=2, n_head=2, n_embd=32,
+    model = parallel.DDP(GPT(GPTConfig(block_size=16, vocab_size=23, n_layer=2, n_head=2, n_embd=32,
                                     bias=False)))
     loader = ShardedTokenLoader(Tokens.file(Path(data_dir) / "train.bin", "uint16"), 16, 2, 16, rank,
                                 world_size, 0)
@@ -139,7 +140,7 @@ def _accumulate(rank, world_size, data_dir, out_file, variant):
     calls = []
     model.register_comm_hook(None, lambda state, bucket: (calls.append(1), _allreduce(bucket))[1])
     if variant == "train.py":
-        train.accumulate_gradients(model, loader, accum, nullcontext(), scaler)
+        train.accumulate_gradients(model, model.module, loader, accum, nullcontext(), scaler)
     else:  # the classic bug: no_sync entered after the forward pass
         for micro in range(accum):
             x, y = loader.next_batch()

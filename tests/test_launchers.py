@@ -6,7 +6,7 @@ import pytest
 
 from harness import audited_writes, child_env, metrics, run, run_manual_ranks, tiny_args
 
-EXPECTED_FILES = ["best.pt", "config.json", "last.pt", "meta.json", "metrics.jsonl", "previous.pt"]
+EXPECTED_FILES = ["best.pt", "config.json", "last.pt", "meta.json", "metrics.jsonl", "previous.pt", "run.lock"]
 
 
 def check_rank0_wrote_everything(out_dir, audit_dir, world_size=2):

@@ -13,7 +13,7 @@ import launch
 from harness import REPO, child_env, metrics, tiny_args
 from slurm_cluster import SlurmCluster, missing
 
-EXPECTED_FILES = ["best.pt", "config.json", "last.pt", "meta.json", "metrics.jsonl", "previous.pt"]
+EXPECTED_FILES = ["best.pt", "config.json", "last.pt", "meta.json", "metrics.jsonl", "previous.pt", "run.lock"]
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ def test_single_process_run_lowers_val_loss(char_data, tmp_path):
     assert [r["step"] for r in evals] == [0, 30, 60]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "best.pt", "config.json", "last.pt", "meta.json", "metrics.jsonl", "previous.pt"]
+        "best.pt", "config.json", "last.pt", "meta.json", "metrics.jsonl", "previous.pt", "run.lock"]
     ckpt = torch.load(tmp_path / "last.pt", map_location="cpu", weights_only=True)
     assert ckpt["step"] == 60 and ckpt["loader"]["position"] > 0
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])

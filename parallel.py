@@ -1,0 +1,157 @@
+"""How the model is spread over the processes: the strategy.
+
+ddp   every rank holds the whole model, its gradients and the AdamW moments (about 16 bytes per
+      parameter in float32); DistributedDataParallel all-reduces the gradients during backward.
+fsdp  PyTorch's FSDP2 (fully_shard): each transformer block, then the root (embeddings, final
+      norm), is sharded over the ranks, so each rank holds 1/world of the parameters, gradients
+      and moments. A block's parameters are all-gathered just before its forward and backward,
+      and its gradients reduce-scattered after its backward. fsdp_reshard=True frees the gathered
+      parameters after forward (ZeRO-3: least memory, a second all-gather in backward);
+      False keeps them until backward (ZeRO-2-like: more memory, less communication).
+
+Both strategies read and write the same checkpoints: the full state dict, gathered to rank 0,
+with the optimizer state keyed as torch.optim's own state_dict() keys it (by parameter
+position), so a checkpoint of one strategy resumes under the other, at any world size.
+"""
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from launch import World
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+def is_fsdp(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+def shard(model, strategy: str, world: World, device: torch.device, dtype: torch.dtype, reshard: bool):
+    """FSDP: shard each block, then the root, in place (the optimizer is made afterwards, on the
+    shards). DDP: nothing yet (wrap() comes after compile)."""
+    if strategy != "fsdp":
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(device.type, (world.size,))
+    # Compute in dtype; gradients are reduced in float32 and the sharded master weights stay
+    # float32 (what the optimizer steps). autocast still runs the losses and norms in float32.
+    mp = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype,
+                              reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+
+
+def wrap(model, raw_model, world: World, device: torch.device):
+    """What trains: DDP around the (compiled) model when ddp has several ranks."""
+    if world.size > 1 and not is_fsdp(raw_model):
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
+@contextmanager
+def skip_gradient_sync(model, raw_model, skip: bool):
+    """No gradient communication for one micro-step when skip (accumulation): DDP's no_sync
+    (which must cover forward too), FSDP2's set_requires_gradient_sync(False)."""
+    if skip and isinstance(model, DDP):
+        with model.no_sync():
+            yield
+    elif skip and is_fsdp(raw_model):
+        raw_model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            raw_model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def clip_grad_norm(raw_model, max_norm: float) -> torch.Tensor:
+    """Clip to the global gradient norm; under FSDP the norm is over all the shards."""
+    norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def all_finite(raw_model, world: World) -> bool:
+    """Whether every weight is finite, agreed by all ranks (each checks its own shard)."""
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p
+    ok = torch.tensor([float(all(torch.isfinite(local(p)).all() for p in raw_model.parameters()))])
+    if is_fsdp(raw_model):
+        ok = ok.to(next(raw_model.parameters()).device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def _fqns(raw_model, optimizer) -> list:
+    """Parameter names in the optimizer's order: what position i in its state_dict() names."""
+    names = {id(p): n for n, p in raw_model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def full_state(raw_model, optimizer) -> tuple:
+    """(model state dict, optimizer state dict) in full; every rank calls it. Under FSDP the
+    shards are gathered to rank 0's CPU memory (the other ranks get empty dicts)."""
+    if not is_fsdp(raw_model):
+        return raw_model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(raw_model, options=options)
+    optim_sd = get_optimizer_state_dict(raw_model, optimizer, options=options)
+    if not model_sd:
+        return {}, {}
+    model_sd["lm_head.weight"] = model_sd["transformer.wte.weight"]  # tied, as state_dict() has it
+    # Names -> positions, the layout of torch.optim's state_dict() that a ddp run writes.
+    position = {name: i for i, name in enumerate(_fqns(raw_model, optimizer))}
+    groups = [{**g, "params": [position[n] for n in g["params"]]} for g in optim_sd["param_groups"]]
+    state = {position[n]: s for n, s in optim_sd["state"].items()}
+    return model_sd, {"state": state, "param_groups": groups}
+
+
+def load_full_state(raw_model, optimizer, model_sd: dict, optim_sd=None):
+    """Load a full state (every rank has it); under FSDP each rank keeps its own shard."""
+    if not is_fsdp(raw_model):
+        raw_model.load_state_dict(model_sd)
+        if optim_sd is not None:
+            optimizer.load_state_dict(optim_sd)
+        return
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(raw_model, dict(model_sd), options=options)  # a copy: it is changed in place
+    if optim_sd is not None:
+        names = _fqns(raw_model, optimizer)
+        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in optim_sd["param_groups"]]
+        state = {names[i]: dict(s) for i, s in optim_sd["state"].items()}
+        set_optimizer_state_dict(raw_model, optimizer, {"state": state, "param_groups": groups},
+                                 options=options)
+
+
+def make_scaler(device: torch.device, dtype: torch.dtype, strategy: str):
+    """The fp16 loss scaler (disabled otherwise); FSDP's agrees on inf/NaN across the shards."""
+    if strategy == "fsdp" and dtype == torch.float16:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+
+def set_activation_checkpointing(raw_model, enabled: bool):
+    """Recompute each block's activations in backward instead of keeping them (any strategy)."""
+    for block in raw_model.transformer.h:
+        block.checkpoint_activations = enabled
+
+
+def state_bytes_per_rank(n_params: int, block_params: int, strategy: str, world_size: int,
+                         compute_bytes: int = 2, gathered: bool = True) -> int:
+    """Model state one rank holds in training: 16 bytes per parameter (the float32 weight, its
+    gradient and AdamW's two moments). FSDP holds 1/world_size of that, plus (gathered=True)
+    the block that is computing, whole: its weights in the compute dtype, float32 gradients.
+    bench.py measures the first part; scripts/memory_guide.py prints the table."""
+    if strategy == "ddp" or world_size == 1:
+        return 16 * n_params
+    return 16 * n_params // world_size + gathered * (compute_bytes + 4) * block_params

@@ -1,0 +1,138 @@
+"""GPT-2 weights in Hugging Face's format: OpenAI's released models and the way back out.
+
+init_from may name a released model (gpt2, gpt2-medium, gpt2-large, gpt2-xl: 124M to 1.5B
+parameters), taken from the local Hugging Face cache or downloaded into it, or a folder holding
+a Hugging Face GPT-2 model (config.json and model.safetensors, or pytorch_model.bin, read with
+weights_only=True). transformers is not needed: safetensors reads the weights, huggingface_hub
+finds or fetches them, and model.py maps the names. export() writes a checkpoint as such a
+folder, which transformers' GPT2LMHeadModel.from_pretrained loads.
+
+Under several processes rank 0 reads and the other ranks receive (checkpoint.on_rank0),
+as for a resume, so other hosts need no copy.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+from config import GPT2_NAMES
+from errors import ConfigError, first_line
+from model import GPT, GPTConfig, gpt2_from_hf, gpt2_to_hf
+
+RELEASED = {name: f"openai-community/{name}" for name in GPT2_NAMES}
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def is_pretrained(init_from: str) -> bool:
+    return init_from not in ("scratch", "resume")
+
+
+def locate(init_from: str) -> Path:
+    """The folder of a released model (from the Hugging Face cache, else downloaded) or a path."""
+    if init_from not in RELEASED:
+        folder = Path(init_from)
+        if not (folder / "config.json").is_file() or not any((folder / f).is_file() for f in WEIGHT_FILES):
+            raise ConfigError(f"init_from {init_from}: no Hugging Face GPT-2 model there (a folder with "
+                              f"config.json and model.safetensors or pytorch_model.bin)")
+        return folder
+    from huggingface_hub import snapshot_download
+    wanted = dict(repo_id=RELEASED[init_from], allow_patterns=["config.json", "model.safetensors"])
+    try:
+        return Path(snapshot_download(**wanted, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not in the cache: fetch it
+        pass
+    try:
+        return Path(snapshot_download(**wanted))
+    except Exception as e:  # noqa: BLE001 - offline, blocked, no such repo
+        raise ConfigError(
+            f"{init_from} is not in the Hugging Face cache and cannot be downloaded here "
+            f"({type(e).__name__}: {first_line(e, 120)}): on a machine with a network run "
+            f"`huggingface-cli download {RELEASED[init_from]} config.json model.safetensors --local-dir "
+            f"{init_from}` and pass --init_from=PATH_TO_THAT_FOLDER, or copy its cache "
+            f"(~/.cache/huggingface/hub)") from None
+
+
+def read_shape(folder: Path) -> dict:
+    """GPTConfig fields from a GPT-2 config.json; an error for variants model.py does not build."""
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{folder / 'config.json'} cannot be read: {first_line(e)}") from None
+    checks = {"model_type": ("gpt2",), "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
+              "n_inner": (None, 4 * hf.get("n_embd", 0)), "scale_attn_weights": (True,),
+              "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,),
+              "layer_norm_epsilon": (1e-5,)}
+    for key, allowed in checks.items():
+        if key in hf and hf[key] not in allowed or key == "model_type" and hf.get(key) != "gpt2":
+            raise ConfigError(f"{folder / 'config.json'}: {key}={hf.get(key)!r}, but this GPT is GPT-2's "
+                              f"architecture ({key} in {allowed})")
+    try:
+        return dict(n_layer=int(hf["n_layer"]), n_head=int(hf["n_head"]), n_embd=int(hf["n_embd"]),
+                    block_size=int(hf["n_positions"]), vocab_size=int(hf["vocab_size"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{folder / 'config.json'} lacks a valid {first_line(e)}") from None
+
+
+def model_args(init_from: str, cfg, meta: dict) -> dict:
+    """The run's model arguments when its weights come from GPT-2 (read here, on rank 0)."""
+    shape = read_shape(locate(init_from))
+    if cfg.block_size > shape["block_size"]:
+        raise ConfigError(f"block_size {cfg.block_size} is longer than {init_from}'s {shape['block_size']} "
+                          f"positions: use --block_size={shape['block_size']} or less (the table is cropped)")
+    if not cfg.bias:
+        raise ConfigError(f"{init_from} has biases in every Linear and LayerNorm: --bias=false cannot load it")
+    if meta["vocab_size"] != shape["vocab_size"] or meta["tokenizer"] != "gpt2":
+        raise ConfigError(f"{init_from} reads GPT-2 BPE tokens ({shape['vocab_size']} of them), but the dataset "
+                          f"is {meta['tokenizer']} with {meta['vocab_size']}: use a GPT-2 BPE dataset, "
+                          f"e.g. --dataset=shakespeare")
+    return {**shape, "block_size": cfg.block_size, "bias": True, "dropout": cfg.dropout,
+            "pad_vocab_to": cfg.pad_vocab_to}
+
+
+def load_state(init_from: str, model: GPT) -> dict:
+    """`model`'s state dict from GPT-2's weights, every tensor name and shape checked."""
+    folder = locate(init_from)
+    path = next(folder / f for f in WEIGHT_FILES if (folder / f).is_file())
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            state = load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        return gpt2_from_hf(state, model)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {first_line(e, 400)}") from None
+    except Exception as e:  # noqa: BLE001 - a damaged file, or one that would run code
+        raise ConfigError(f"cannot read {path} ({type(e).__name__}: {first_line(e)})") from None
+
+
+def load_gpt(init_from: str, device="cpu") -> GPT:
+    """A released or local GPT-2 as our GPT, in eval mode (for sampling)."""
+    shape = read_shape(locate(init_from))
+    model = GPT(GPTConfig(**shape, bias=True, dropout=0.0))
+    model.load_state_dict(load_state(init_from, model))
+    return model.eval().to(device)
+
+
+def export(model: GPT, folder, gpt2_tokenizer: bool):
+    """Write `model` as a Hugging Face GPT-2 folder: config.json, model.safetensors and, for a
+    model of GPT-2's BPE, the tokenizer files."""
+    from safetensors.torch import save_file
+    from data.files import atomic_write_bytes
+    from data.tokenizers import write_gpt2_tokenizer_files
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+              "n_positions": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+              "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new",
+              "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+              "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
+              "tie_word_embeddings": True, "bos_token_id": 50256, "eos_token_id": 50256}
+    tmp = folder / ".model.safetensors.tmp"
+    save_file(gpt2_to_hf(model), str(tmp), metadata={"format": "pt"})
+    tmp.replace(folder / "model.safetensors")
+    atomic_write_bytes(folder / "config.json", (json.dumps(config, indent=1) + "\n").encode())
+    if gpt2_tokenizer:
+        write_gpt2_tokenizer_files(folder, cfg.block_size)

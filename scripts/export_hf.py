@@ -1,0 +1,52 @@
+"""Write a training run's checkpoint as a Hugging Face GPT-2 folder.
+
+    python scripts/export_hf.py --out_dir=out-shakespeare --to=gpt2-shakespeare
+    python scripts/export_hf.py --out_dir=out --checkpoint=last --to=hf-out
+
+The folder holds config.json and model.safetensors and, when the run's dataset is GPT-2 BPE,
+GPT-2's tokenizer files (vocab.json, merges.txt, tokenizer_config.json), so that
+
+    from transformers import GPT2LMHeadModel, AutoTokenizer
+    model = GPT2LMHeadModel.from_pretrained("gpt2-shakespeare")
+
+loads it and computes the logits this repo computes. A character-level model is written too
+(its vocabulary is meta.json's, which transformers has no tokenizer for). A model trained with
+bias=False gets zero biases, which compute the same. Bad input: one line on stderr, exit 2.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import pretrained  # noqa: E402
+import sample  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out_dir", default="out", help="the training run's folder (checkpoints and meta.json)")
+    p.add_argument("--checkpoint", choices=("best", "last"), default="best",
+                   help="best.pt (the default; last.pt when there is none) or last.pt")
+    p.add_argument("--to", required=True, help="the folder to write (created; files in it are replaced)")
+    args = p.parse_args(argv)
+    out_dir, to = Path(args.out_dir), Path(args.to)
+    if not out_dir.is_dir():
+        sample.fail(f"out_dir {out_dir} does not exist: pass the folder train.py wrote with --out_dir")
+    if to.resolve() == out_dir.resolve():
+        sample.fail(f"--to={to} is the run's own folder: give another folder, its config.json would clash")
+    if args.checkpoint == "last" and not (out_dir / "last.pt").is_file():
+        sample.fail(f"no last.pt in {out_dir}: use --checkpoint=best, or train first")
+    model, meta, path, step = sample.load_model(out_dir, "cpu", prefer=f"{args.checkpoint}.pt")
+    try:
+        pretrained.export(model, to, gpt2_tokenizer=meta["tokenizer"] == "gpt2")
+    except OSError as e:
+        sample.fail(f"cannot write {to}: {e.strerror or e}")
+    files = ", ".join(sorted(f.name for f in to.iterdir() if not f.name.startswith(".")))
+    print(f"{path} (step {step}) -> {to}/ ({files})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""How much memory each strategy needs per GPU for the GPT-2 sizes: the README's table.
+
+    python scripts/memory_guide.py [--world=1,2,4,8] [--batch_size=8]
+
+Model state is what AdamW training keeps for every parameter, in float32 (the master weights
+also when autocast computes in bf16): the weight (4 bytes), its gradient (4) and two moments
+(8), 16 bytes in all. DDP keeps all of it on every GPU; FSDP keeps 1/W of it, plus, while a
+block computes, that block gathered whole (its weights in the compute dtype, and its float32
+gradients until they are reduce-scattered). parallel.state_bytes_per_rank is the formula, and
+bench.py's measured state bytes per rank confirm it (tests/test_bench.py).
+
+Activations are an estimate per sequence of 1024 tokens in bf16 (Korthikanti et al.'s 34·T·C
+bytes per layer with a fused attention kernel, plus the logits in bf16 and float32 for the loss);
+activation checkpointing keeps only each block's input (2·T·C bytes per layer) and one block's
+activations at a time.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model import GPT, GPTConfig  # noqa: E402
+from parallel import state_bytes_per_rank  # noqa: E402
+
+SIZES = {"gpt2 (124M)": (12, 12, 768), "gpt2-medium (350M)": (24, 16, 1024),
+         "gpt2-large (774M)": (36, 20, 1280), "gpt2-xl (1.5B)": (48, 25, 1600)}
+T, V = 1024, 50304  # context, padded vocabulary
+GB = 1e9
+
+
+def n_params(n_layer, n_head, n_embd) -> tuple:
+    """(all parameters, one block's) of a GPT-2 shape, counted from the model itself on the meta device."""
+    import torch
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=T, vocab_size=50257,
+                              pad_vocab_to=64))
+    return (sum(p.numel() for p in model.parameters()),
+            sum(p.numel() for p in model.transformer.h[0].parameters()))
+
+
+def activations(n_layer, n_embd, checkpointing: bool) -> float:
+    """Bytes of activations per 1024-token sequence (an estimate)."""
+    logits = T * V * (2 + 4)
+    if checkpointing:
+        return n_layer * 2 * T * n_embd + 34 * T * n_embd + logits
+    return n_layer * 34 * T * n_embd + logits
+
+
+def table(worlds: list, batch: int) -> str:
+    head = " | ".join(f"FSDP W={w}" for w in worlds if w > 1)
+    lines = [f"| model | parameters | DDP (any W) | {head} | activations per sequence | "
+             f"with checkpointing |",
+             "|---|---|---|" + "---|" * sum(w > 1 for w in worlds) + "---|---|"]
+    for name, (layers, heads, width) in SIZES.items():
+        total, block = n_params(layers, heads, width)
+        ddp = state_bytes_per_rank(total, block, "ddp", 1)
+        fsdp = " | ".join(f"{state_bytes_per_rank(total, block, 'fsdp', w) / GB:.2f} GB" for w in worlds if w > 1)
+        lines.append(f"| {name} | {total / 1e6:.0f}M | {ddp / GB:.2f} GB | {fsdp} | "
+                     f"{activations(layers, width, False) / GB:.2f} GB | {activations(layers, width, True) / GB:.2f} GB |")
+    return "\n".join(lines) + (f"\n\nPer GPU: model state + batch_size x activations (batch_size={batch}: "
+                               f"multiply the last columns by {batch}).")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", default="1,2,4,8", help="process counts for the FSDP columns")
+    p.add_argument("--batch_size", type=int, default=8)
+    args = p.parse_args(argv)
+    print(table([int(w) for w in args.world.split(",")], args.batch_size))
+
+
+if __name__ == "__main__":
+    main()

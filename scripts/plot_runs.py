@@ -1,0 +1,107 @@
+"""Overlay the loss curves of training runs, from their metrics.jsonl, without wandb.
+
+    python scripts/plot_runs.py out-1proc out-2proc out-4proc --out=runs.png
+    python scripts/plot_runs.py out --labels=baseline --out=loss.png
+
+Left: train loss (each logged step) and val loss (each eval, dots) against the optimizer step;
+right: the same against tokens seen, so runs with different batch sizes line up. Each run is
+labelled by its folder name (or --labels), with its world size from config.json when present.
+A folder without metrics.jsonl, or with no loss in it, is one line on stderr and exit 2.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def read_run(out_dir: Path) -> dict:
+    """Train and val points (step, tokens seen, loss) of one run; the last line wins per step
+    (a resumed run may log a step again)."""
+    path = out_dir / "metrics.jsonl"
+    if not path.is_file():
+        fail(f"{path} does not exist: give the out_dir of a training run")
+    train, val, tokens_per_step = {}, {}, None
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            fail(f"{path}:{n} is not JSON: {line[:60]!r}")
+        if row.get("step") and row.get("tokens_seen"):
+            tokens_per_step = row["tokens_seen"] / row["step"]
+        if "loss" in row:
+            train[row["step"]] = row["loss"]
+        if "val_loss" in row:
+            val[row["step"]] = row["val_loss"]
+    if not train and not val:
+        fail(f"{path} holds no train or val loss yet")
+    world = None
+    config = out_dir / "config.json"
+    if config.is_file():
+        try:
+            run = json.loads(config.read_text()).get("run", {})
+            world, tokens_per_step = run.get("world_size"), run.get("tokens_per_step") or tokens_per_step
+        except ValueError:
+            pass
+    return dict(train=sorted(train.items()), val=sorted(val.items()), tokens_per_step=tokens_per_step,
+                world=world)
+
+
+def plot(runs: dict, out: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, (label, r) in enumerate(runs.items()):
+        color = f"C{i % 10}"
+        per = r["tokens_per_step"] or 0
+        for ax, x in ((axes[0], lambda s: s), (axes[1], lambda s: s * per)):
+            if ax is axes[1] and not per:
+                continue
+            if r["train"]:
+                ax.plot([x(s) for s, _ in r["train"]], [v for _, v in r["train"]], color=color, alpha=0.55,
+                        linewidth=1, label=f"{label} train")
+            if r["val"]:
+                ax.plot([x(s) for s, _ in r["val"]], [v for _, v in r["val"]], "o--", color=color,
+                        markersize=3, label=f"{label} val")
+    for ax, xlabel in ((axes[0], "optimizer step"), (axes[1], "tokens seen")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out_dirs", nargs="+", help="training runs' out_dir folders")
+    p.add_argument("--out", default="runs.png", help="the PNG to write")
+    p.add_argument("--labels", default="", help="comma-separated labels, one per folder")
+    args = p.parse_args(argv)
+    labels = args.labels.split(",") if args.labels else []
+    if labels and len(labels) != len(args.out_dirs):
+        fail(f"--labels has {len(labels)} names for {len(args.out_dirs)} folders")
+    runs = {}
+    for i, folder in enumerate(args.out_dirs):
+        r = read_run(Path(folder))
+        label = labels[i] if labels else Path(folder).name + (f" (W={r['world']})" if r["world"] else "")
+        runs[label] = r
+    out = Path(args.out)
+    if out.suffix.lower() != ".png":
+        fail(f"--out={out}: give a .png file name")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot(runs, out)
+    print(f"{len(runs)} run{'s' if len(runs) > 1 else ''} -> {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""bench.py's report and scripts/plot_runs.py, on a tiny model (figures are checked for being
+measured and consistent, never against a speed)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness import REPO, child_env, run, tiny_args
+
+pytestmark = pytest.mark.slow
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data.startswith(PNG) and len(data) > 5000, path  # a real picture, not an empty canvas
+    import matplotlib.image
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert width > 600 and height > 300
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench")
+    tiny = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--global_batch_size=8",
+            "--dtype=float32", "--device=cpu"]
+    proc = run([sys.executable, "bench.py", *tiny, "--nproc=1,2", "--strategies=ddp,fsdp", "--steps=3", "--warmup=1",
+                f"--report={folder}"], child_env(), timeout=600)
+    return folder, proc.stdout
+
+
+def test_bench_writes_json_markdown_and_png(report):
+    folder, stdout = report
+    data = json.loads((folder / "bench.json").read_text())
+    assert {"torch", "device", "host", "command", "cpus"} <= data["info"].keys()
+    assert data["config"]["n_layer"] == 2 and data["config"]["global_batch_size"] == 8
+    assert [(r["strategy"], r["nproc"]) for r in data["runs"]] == [("ddp", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2)]
+    table = (folder / "bench.md").read_text()
+    assert "python bench.py" in table and table.count("\n| ddp |") == 2 and table.count("\n| fsdp |") == 2
+    assert_png(folder / "bench.png")
+    assert "report:" in stdout
+
+
+def test_bench_figures_are_positive_and_consistent(report):
+    folder, _ = report
+    for r in json.loads((folder / "bench.json").read_text())["runs"]:
+        raw = r["raw"]
+        assert len(raw["step_times"]) == 3 and all(t > 0 for t in raw["step_times"])
+        assert r["tokens_per_step"] == 8 * 32
+        assert r["tokens_per_sec"] == pytest.approx(r["tokens_per_step"] / r["step_time_s"])
+        assert r["step_time_min_s"] <= r["step_time_s"] <= r["step_time_max_s"]
+        assert r["accumulation_steps"] == 8 // (4 * r["nproc"])
+        assert r["peak_memory_bytes"] > 10 * 2**20 and len(raw["peak_memory"]) == r["nproc"]
+        assert 0 <= r["comm_share"] < 1 and r["mfu"] is None  # no MFU without a GPU
+        assert (r["nproc"] == 1) == (raw["step_times_nosync"] is None)
+        if r["nproc"] == 1:
+            assert r["scaling_efficiency"] == pytest.approx(1.0)
+        else:
+            base = next(b for b in json.loads((folder / "bench.json").read_text())["runs"]
+                        if b["strategy"] == r["strategy"] and b["nproc"] == 1)
+            assert r["scaling_efficiency"] == pytest.approx(r["tokens_per_sec"] / (2 * base["tokens_per_sec"]))
+
+
+def test_measured_state_bytes_confirm_the_memory_formula(report):
+    """DDP holds 16 bytes per parameter on every rank; FSDP on 2 ranks about half (each rank its
+    shard): parallel.state_bytes_per_rank, the formula behind the README's memory table."""
+    from model import GPT, GPTConfig
+    from parallel import state_bytes_per_rank
+    folder, _ = report
+    runs = {(r["strategy"], r["nproc"]): r["state_bytes"] for r in json.loads((folder / "bench.json").read_text())["runs"]}
+    n = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=50257)).get_num_params(
+        non_embedding=False)
+    # (AdamW also keeps a 4-byte step count per tensor: 112 bytes here, outside the formula)
+    assert sum(runs["ddp", 2].values()) == pytest.approx(state_bytes_per_rank(n, 0, "ddp", 2), rel=1e-4)
+    assert sum(runs["ddp", 1].values()) == sum(runs["fsdp", 1].values())  # one process: nothing to shard
+    fsdp = sum(runs["fsdp", 2].values())
+    assert fsdp == pytest.approx(state_bytes_per_rank(n, 0, "fsdp", 2, gathered=False), rel=0.01)
+    assert runs["fsdp", 2]["optimizer"] == pytest.approx(runs["ddp", 2]["optimizer"] / 2, rel=0.01)
+
+
+def test_bench_bad_arguments_are_one_line():
+    for args, needle in ((["--nproc=0"], "at least 1"), (["--strategies=zero3"], "choose from ddp, fsdp"),
+                         (["--nproc=3"], "cannot be split over 3")):
+        proc = subprocess.run([sys.executable, "bench.py", *args], cwd=REPO, env=child_env(), capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_plot_runs_overlays_two_runs(tmp_path, char_data):
+    for name, extra in (("a", {}), ("b", {"learning_rate": 1e-3})):
+        run([sys.executable, "train.py", *tiny_args(char_data, tmp_path / name, max_iters=6, eval_interval=3,
+                                                    **extra)], child_env())
+    out = tmp_path / "plots" / "runs.png"
+    proc = run([sys.executable, "scripts/plot_runs.py", str(tmp_path / "a"), str(tmp_path / "b"), f"--out={out}"],
+               child_env())
+    assert "2 runs" in proc.stdout
+    assert_png(out)
+
+
+def test_plot_runs_bad_input_is_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "nolosses").mkdir()
+    (tmp_path / "nolosses" / "metrics.jsonl").write_text("")
+    for args, needle in (([str(tmp_path / "empty")], "metrics.jsonl does not exist"),
+                         ([str(tmp_path / "nolosses")], "holds no train or val loss"),
+                         ([str(tmp_path / "nolosses"), "--labels=a,b"], "2 names for 1 folders")):
+        proc = subprocess.run([sys.executable, "scripts/plot_runs.py", *args], cwd=REPO, env=child_env(),
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr

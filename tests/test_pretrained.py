@@ -1,0 +1,345 @@
+"""Starting from GPT-2: Hugging Face folders in (init_from, sample.py) and out (export_hf.py).
+
+Offline: the "GPT-2" here is a randomly initialised transformers GPT2LMHeadModel of GPT-2's
+vocabulary, saved into a temporary folder, never the released weights."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import REPO, child_env, run, tiny_args
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+import checkpoint  # noqa: E402
+import pretrained  # noqa: E402
+from data.tokenizers import REPO_COPY, gpt2_encoding  # noqa: E402
+from errors import ConfigError  # noqa: E402
+from model import GPT, GPTConfig, gpt2_from_hf  # noqa: E402
+
+HF_SHAPE = dict(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+
+
+def hf_model(seed=0, **shape):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(**{**HF_SHAPE, **shape}, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
+    hf_model().save_pretrained(folder)
+    assert (folder / "model.safetensors").is_file()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bpe_data(tmp_path_factory, char_data):
+    """The test corpus in GPT-2 BPE tokens, prepared by data/shakespeare/prepare.py."""
+    from data.shakespeare.prepare import prepare
+    folder = tmp_path_factory.mktemp("bpe") / "data"
+    prepare(out_dir=folder, input_path=char_data.parent / "input_text.txt", bpe_file=REPO_COPY)
+    return folder
+
+
+def ids(n=24, seed=1):
+    return torch.randint(0, 50257, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+def full_logits(model: GPT, x):
+    with torch.no_grad():
+        return model(x, x)[0]  # with targets: logits at every position
+
+
+def hf_logits(hf, x):
+    with torch.no_grad():
+        return hf(x).logits
+
+
+def train(args, timeout=300):
+    return run([sys.executable, "train.py", *args], child_env(), timeout)
+
+
+def fails_with(cmd, *needles):
+    proc = subprocess.run([sys.executable, *cmd], cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+# --- reading a Hugging Face folder ------------------------------------------------------------
+
+def test_a_saved_hf_model_loads_with_its_logits(hf_folder):
+    ours = pretrained.load_gpt(str(hf_folder))
+    x = ids()
+    assert (full_logits(ours, x) - hf_logits(hf_model(), x)).abs().max().item() < 1e-5
+
+
+def test_pytorch_model_bin_is_read_with_weights_only(tmp_path):
+    hf = hf_model(seed=3)
+    hf.config.save_pretrained(tmp_path)
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")  # the older format
+    ours = pretrained.load_gpt(str(tmp_path))
+    x = ids(seed=2)
+    assert (full_logits(ours, x) - hf_logits(hf, x)).abs().max().item() < 1e-5
+
+
+def test_a_pickled_object_in_pytorch_model_bin_is_refused_not_run(tmp_path):
+    hf_model().config.save_pretrained(tmp_path)
+    torch.save({"x": object()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match="cannot read .*pytorch_model.bin"):
+        pretrained.load_gpt(str(tmp_path))
+
+
+def test_the_position_table_is_cropped_and_the_vocabulary_padded(hf_folder):
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50257, pad_vocab_to=64))
+    state = pretrained.load_state(str(hf_folder), model)
+    hf_state = hf_model().state_dict()
+    assert state["transformer.wpe.weight"].shape == (16, 32)
+    assert torch.equal(state["transformer.wpe.weight"], hf_state["transformer.wpe.weight"][:16])
+    assert state["transformer.wte.weight"].shape == (50304, 32)
+    assert not state["transformer.wte.weight"][50257:].any()
+    assert torch.equal(state["transformer.h.0.attn.c_attn.weight"], hf_state["transformer.h.0.attn.c_attn.weight"].t())
+    model.load_state_dict(state)
+    x = ids(n=16)
+    assert (full_logits(model, x) - hf_logits(hf_model(), x)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda s: s.pop("transformer.h.1.mlp.c_fc.bias"), "lack transformer.h.1.mlp.c_fc.bias"),
+    (lambda s: s.update({"transformer.h.2.ln_1.weight": torch.ones(32)}), "unknown tensor transformer.h.2.ln_1.weight"),
+    (lambda s: s.update({"transformer.h.0.attn.c_proj.weight": torch.zeros(32, 31)}),
+     "transformer.h.0.attn.c_proj.weight has shape (31, 32)"),
+])
+def test_a_missing_extra_or_misshapen_tensor_is_named(tmp_path, change, needle):
+    hf = hf_model()
+    hf.config.save_pretrained(tmp_path)
+    state = {k: v.clone() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    change(state)
+    safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        pretrained.load_gpt(str(tmp_path))
+
+
+def test_old_files_without_the_transformer_prefix_load(tmp_path):
+    hf = hf_model(seed=5)
+    hf.config.save_pretrained(tmp_path)
+    state = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"))
+    x = ids()
+    assert (full_logits(pretrained.load_gpt(str(tmp_path)), x) - hf_logits(hf, x)).abs().max().item() < 1e-5
+
+
+def test_config_json_of_another_architecture_is_refused(tmp_path):
+    hf_model(activation_function="relu").save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="activation_function='relu'"):
+        pretrained.load_gpt(str(tmp_path))
+
+
+# --- train.py --init_from ---------------------------------------------------------------------
+
+def tiny_finetune(bpe_data, out_dir, hf_folder, **overrides):
+    return tiny_args(bpe_data, out_dir, **{"dataset": "shakespeare", "init_from": str(hf_folder), "n_layer": 2,
+                                           "n_head": 2, "n_embd": 32, "block_size": 32, **overrides})
+
+
+def test_max_iters_0_reports_the_pretrained_val_loss(tmp_path, bpe_data, hf_folder):
+    proc = train(tiny_finetune(bpe_data, tmp_path / "out", hf_folder, max_iters=0))
+    assert f"weights from {hf_folder}" in proc.stdout
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "val_loss" in r]
+    assert len(evals) == 1 and evals[0]["step"] == 0
+    # a random GPT-2 of this vocabulary starts at ln(50257) = 10.8; a scratch model too, but
+    # not at the same value: the weights are the folder's
+    scratch = train(tiny_finetune(bpe_data, tmp_path / "scratch", hf_folder, max_iters=0, init_from="scratch"))
+    assert "weights from" not in scratch.stdout
+    other = [json.loads(l) for l in (tmp_path / "scratch" / "metrics.jsonl").read_text().splitlines()]
+    assert abs(evals[0]["val_loss"] - 10.82) < 0.2 and other[-1]["val_loss"] != evals[0]["val_loss"]
+    assert not (tmp_path / "out" / "last.pt").exists()  # nothing trained, nothing saved
+
+
+def test_fine_tuning_under_torchrun_starts_from_the_folder_and_resumes_exactly(tmp_path, bpe_data, hf_folder):
+    """Two ranks: rank 0 reads the folder and the other receives; 2+2 steps equal 4 steps."""
+    def torchrun(out, **overrides):
+        args = tiny_finetune(bpe_data, out, hf_folder, learning_rate=1e-4, warmup_iters=0, eval_interval=2,
+                             **overrides)
+        return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                    "train.py", *args], child_env())
+
+    torchrun(tmp_path / "whole", max_iters=4, resume="never")
+    torchrun(tmp_path / "split", max_iters=2, resume="never", lr_decay_iters=4)
+    first = checkpoint.read(tmp_path / "split" / "last.pt")["model"]
+    start = gpt2_from_hf(hf_model().state_dict(), GPT(GPTConfig(**{**HF_SHAPE_OURS, "block_size": 32})))
+    moved = max((first[k] - start[k]).abs().max().item() for k in start)
+    assert 0 < moved < 1e-2  # two small steps away from the folder's weights
+    proc = torchrun(tmp_path / "split", max_iters=4, resume="auto", lr_decay_iters=4)
+    assert "resuming from" in proc.stdout and "weights from" not in proc.stdout
+    whole = checkpoint.read(tmp_path / "whole" / "last.pt")["model"]
+    split = checkpoint.read(tmp_path / "split" / "last.pt")["model"]
+    assert all(torch.equal(whole[k], split[k]) for k in whole)
+
+
+HF_SHAPE_OURS = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=50257)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ({"bias": False}, "--bias=false cannot load it"),
+    ({"block_size": 128}, "block_size 128 is longer than"),
+    ({"n_embd": 64}, None),  # the folder's shape wins over the config's: not an error
+])
+def test_config_that_cannot_load_the_weights_is_one_line(tmp_path, bpe_data, hf_folder, override, needle):
+    args = tiny_finetune(bpe_data, tmp_path / "out", hf_folder, max_iters=0, **override)
+    if needle is None:
+        assert "32 wide" in train(args).stdout
+    else:
+        fails_with(["train.py", *args], needle)
+
+
+def test_a_character_dataset_cannot_take_gpt2_weights(tmp_path, char_data, hf_folder):
+    args = tiny_args(char_data, tmp_path / "out", init_from=str(hf_folder), max_iters=0)
+    fails_with(["train.py", *args], "reads GPT-2 BPE tokens", "--dataset=shakespeare")
+
+
+def test_a_damaged_folder_is_one_line_on_every_launcher(tmp_path, bpe_data, hf_folder):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((hf_folder / "config.json").read_text())
+    state = safetensors_torch.load_file(hf_folder / "model.safetensors")
+    del state["transformer.ln_f.bias"]
+    safetensors_torch.save_file(state, str(bad / "model.safetensors"))
+    fails_with(["train.py", *tiny_finetune(bpe_data, tmp_path / "out", bad, max_iters=0)],
+               "lack transformer.ln_f.bias")
+
+
+def test_a_released_name_offline_and_uncached_says_where_to_put_the_files(tmp_path, bpe_data):
+    env = dict(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "train.py", *tiny_args(bpe_data, tmp_path / "out", dataset="shakespeare",
+                                                                  init_from="gpt2", max_iters=0)],
+                          cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    line, = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "gpt2 is not in the Hugging Face cache" in line and "--init_from=PATH" in line
+
+
+def test_a_mistyped_name_gets_a_suggestion():
+    from config import Config, validate
+    with pytest.raises(ConfigError, match="did you mean 'gpt2-medium'"):
+        validate(Config(init_from="gpt2-meduim"))
+
+
+# --- export_hf.py -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias, pad", [(True, 1), (False, 64)])
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data, bias, pad):
+    out = tmp_path / "out"
+    train(tiny_args(bpe_data, out, dataset="shakespeare", max_iters=3, eval_interval=3, bias=bias,
+                    pad_vocab_to=pad, block_size=32))
+    proc = run([sys.executable, "scripts/export_hf.py", f"--out_dir={out}", f"--to={tmp_path / 'hf'}"], child_env())
+    assert "model.safetensors" in proc.stdout and "vocab.json" in proc.stdout
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    ckpt = checkpoint.read(out / "best.pt")
+    ours = GPT(GPTConfig(**ckpt["model_args"]))
+    ours.load_state_dict(ckpt["model"])
+    ours.eval()
+    x = ids(n=32)
+    assert hf.config.vocab_size == 50257 and hf.config.n_positions == 32
+    assert (full_logits(ours, x) - hf_logits(hf, x)).abs().max().item() < 1e-5
+    # and back in: the exported folder is a valid init_from
+    again = pretrained.load_gpt(str(tmp_path / "hf"))
+    assert (full_logits(again, x) - full_logits(ours, x)).abs().max().item() < 1e-5
+
+
+def test_exported_tokenizer_files_encode_as_tiktoken(tmp_path):
+    from data.tokenizers import write_gpt2_tokenizer_files
+    write_gpt2_tokenizer_files(tmp_path, 1024)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    enc = gpt2_encoding(REPO_COPY, verbose=False)
+    text = ("First Citizen:\nBefore we proceed any further, hear me speak.  Ünïcödé — 123,456 "
+            "don't  tabs\tand emoji 🙂<|endoftext|>")
+    assert tok(text)["input_ids"] == enc.encode(text, allowed_special={"<|endoftext|>"})
+    assert tok.decode(enc.encode_ordinary(text)) == text
+    assert len(tok) == 50257
+
+
+def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data):
+    out = tmp_path / "out"
+    train(tiny_args(char_data, out, max_iters=2, eval_interval=2))
+    run([sys.executable, "scripts/export_hf.py", f"--out_dir={out}", "--checkpoint=last", f"--to={tmp_path / 'hf'}"],
+        child_env())
+    assert sorted(f.name for f in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    assert hf.config.vocab_size == json.loads((out / "meta.json").read_text())["vocab_size"]
+
+
+def test_export_bad_input_is_one_line(tmp_path):
+    fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'none'}", "--to=x"], "does not exist")
+    (tmp_path / "empty").mkdir()
+    fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", "--to=x"], "no best.pt or last.pt")
+
+
+# --- sample.py --init_from --------------------------------------------------------------------
+
+def test_sample_from_a_folder_is_one_batch_and_repeatable(tmp_path, hf_folder):
+    cmd = [sys.executable, "sample.py", f"--init_from={hf_folder}", "--start=Hello", "--num_samples=3",
+           "--max_new_tokens=8", "--device=cpu"]
+    first, second = run(cmd, child_env()).stdout, run(cmd, child_env()).stdout
+    assert first == second
+    samples = [s.strip() for s in first.split("---------------") if s.strip()]
+    assert len(samples) == 3 and all(s.startswith("Hello") for s in samples) and len(set(samples)) == 3
+
+
+def test_batched_generation_gives_each_row_its_own_tokens():
+    """A batch through the KV cache equals each row generated alone (greedy, so no randomness)."""
+    model = pretrained.GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=101)).eval()
+    prompts = torch.randint(0, 101, (3, 5), generator=torch.Generator().manual_seed(0))
+    together = model.generate(prompts, 20, temperature=0)
+    for row in range(3):
+        assert torch.equal(together[row], model.generate(prompts[row:row + 1], 20, temperature=0)[0])
+
+
+def test_sample_init_from_missing_folder_is_one_line(tmp_path):
+    fails_with(["sample.py", f"--init_from={tmp_path / 'nothing'}"], "no Hugging Face GPT-2 model there")
+
+
+def test_sample_py_generates_all_samples_in_one_call(monkeypatch, capsys, hf_folder):
+    import sample
+    calls = []
+    original = GPT.generate
+
+    def counted(self, idx, *args, **kwargs):
+        calls.append(tuple(idx.shape))
+        return original(self, idx, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "generate", counted)
+    sample.main([f"--init_from={hf_folder}", "--start=Hi", "--num_samples=4", "--max_new_tokens=3", "--device=cpu"])
+    assert calls == [(4, 1)]  # "Hi" is one GPT-2 token; four rows together
+    assert capsys.readouterr().out.count("---------------") == 4
+
+
+def test_fsdp_starts_from_the_folder_too(tmp_path, bpe_data, hf_folder):
+    one = tiny_finetune(bpe_data, tmp_path / "one", hf_folder, max_iters=0)
+    two = tiny_finetune(bpe_data, tmp_path / "two", hf_folder, max_iters=0, strategy="fsdp")
+    train(one)
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *two],
+        child_env())
+    val = [json.loads((tmp_path / d / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"] for d in ("one", "two")]
+    assert abs(val[0] - val[1]) < 1e-5
+
+
+def test_a_config_json_whose_n_embd_does_not_match_the_weights_is_one_line(tmp_path, bpe_data, hf_folder):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((hf_folder / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "n_embd": 64}))
+    (bad / "model.safetensors").write_bytes((hf_folder / "model.safetensors").read_bytes())
+    fails_with(["train.py", *tiny_finetune(bpe_data, tmp_path / "out", bad, max_iters=0)],
+               "has shape (50257, 32) in the GPT-2 weights, but (50257, 64) in a GPT of n_layer=2, n_head=2, n_embd=64")
