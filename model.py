@@ -369,12 +369,12 @@ def gpt2_from_hf(hf_state, model):
     wte = got["transformer.wte.weight"]
     if wte.shape[0] == cfg.vocab_size:
         got["transformer.wte.weight"] = F.pad(wte, (0, 0, 0, cfg.padded_vocab_size - cfg.vocab_size))
-    for name in names:
+    for name in (n for n in expected if n in names):  # in the model's order: the first misfit is named
         if got[name].shape != expected[name].shape:
             raise ValueError(f"{name} has shape {tuple(got[name].shape)} in the GPT-2 weights, but "
                              f"{tuple(expected[name].shape)} in a GPT of n_layer={cfg.n_layer}, "
                              f"n_head={cfg.n_head}, n_embd={cfg.n_embd}, vocab_size={cfg.vocab_size}")
-    state = {name: got[name].to(torch.float32).contiguous() for name in names}
+    state = {name: got[name].to(torch.float32).contiguous() for name in expected if name in names}
     state["lm_head.weight"] = state["transformer.wte.weight"]
     return state
 
