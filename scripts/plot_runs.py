@@ -3,7 +3,7 @@
     python scripts/plot_runs.py out-1proc out-2proc out-4proc --out=runs.png
     python scripts/plot_runs.py out --labels=baseline --out=loss.png
 
-Left: train loss (each logged step) and val loss (each eval, dots) against the optimizer step;
+Left: train loss (each logged step, lines) and val loss (each eval, markers) against the step;
 right: the same against tokens seen, so runs with different batch sizes line up. Each run is
 labelled by its folder name (or --labels), with its world size from config.json when present.
 A folder without metrics.jsonl, or with no loss in it, is one line on stderr and exit 2.
@@ -60,17 +60,18 @@ def plot(runs: dict, out: Path):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, (label, r) in enumerate(runs.items()):
-        color = f"C{i % 10}"
+        # runs that agree lie on top of each other: each gets its own dash and a thinner line
+        color, dash, width = f"C{i % 10}", ("-", "--", ":", "-.")[i % 4], max(0.8, 2.6 - 0.6 * i)
         per = r["tokens_per_step"] or 0
         for ax, x in ((axes[0], lambda s: s), (axes[1], lambda s: s * per)):
             if ax is axes[1] and not per:
                 continue
             if r["train"]:
-                ax.plot([x(s) for s, _ in r["train"]], [v for _, v in r["train"]], color=color, alpha=0.55,
-                        linewidth=1, label=f"{label} train")
+                ax.plot([x(s) for s, _ in r["train"]], [v for _, v in r["train"]], dash, color=color, alpha=0.7,
+                        linewidth=width, label=f"{label} train")
             if r["val"]:
-                ax.plot([x(s) for s, _ in r["val"]], [v for _, v in r["val"]], "o--", color=color,
-                        markersize=3, label=f"{label} val")
+                ax.plot([x(s) for s, _ in r["val"]], [v for _, v in r["val"]], "osd^"[i % 4], color=color,
+                        markersize=8 - 1.5 * (i % 4), fillstyle="none", label=f"{label} val")
     for ax, xlabel in ((axes[0], "optimizer step"), (axes[1], "tokens seen")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("loss")
