@@ -54,11 +54,7 @@ def any_rank(flag: bool, world: World) -> bool:
     a rank that acted alone would leave the others blocked in their next collective until
     dist_timeout, and then report a lost peer instead of the real problem.
     """
-    if world.size == 1:
-        return flag
-    votes = torch.tensor([int(flag)])
-    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=world.group)
-    return bool(votes.item())
+    return agree_max([flag], world)[0] > 0
 
 
 def mean_over_ranks(value: torch.Tensor, world: World) -> float:

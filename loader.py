@@ -21,8 +21,8 @@ it is missing.
 """
 
 import importlib
-from typing import Optional
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -63,7 +63,7 @@ class Tokens:
         shard = np.searchsorted(self.offsets, starts, side="right") - 1
         local = starts - self.offsets[shard]
         rows = np.stack([self.arrays[s][i:i + length] for s, i in zip(shard, local)])
-        if self.vocab_size is not None and rows.size and rows.max() >= self.vocab_size:  # ~10 us a batch
+        if self.vocab_size is not None and rows.size and rows.max() >= self.vocab_size:  # 13 us for 32 x 1025
             r, c = np.argwhere(rows >= self.vocab_size)[0]
             if self.bad is None:
                 self.bad = str(BadTokenId(int(rows[r, c]), self.vocab_size, self.paths[shard[r]], int(local[r] + c)))

@@ -51,7 +51,7 @@ def ddp_reference(char_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("nproc, extra", [(2, {}), (4, {"batch_size": 2}),
-                                          (2, {"fsdp_reshard": False, "activation_checkpointing": True})])
+                                          (2, {"fsdp_reshard": False, "activation_checkpointing": True, "compile": True})])
 def test_fsdp_weights_equal_ddp_on_the_same_global_batch(char_data, tmp_path, ddp_reference, nproc, extra):
     torchrun(nproc, args_for(char_data, tmp_path, strategy="fsdp", **extra))
     ckpt = weights(tmp_path)
