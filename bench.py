@@ -9,7 +9,8 @@ Arguments are train.py's (a config file, --name=value overrides) plus --nproc=N[
 --strategies=ddp[,...], --steps, --warmup, --report=DIR and --profile. Every combination of
 strategy and process count is a real run: torchrun starts `bench.py --worker` on this host,
 which builds the model, optimizer, scaler and loader with train.py's build_run and times
-train.py's own optimizer step. Warm-up steps (compilation included) are not timed.
+train.py's own optimizer step. Warm-up steps (compilation included) are not timed. On one
+process fsdp has nothing to shard and runs as ddp, so its row repeats ddp's measurement.
 
 The data is synthetic by default (uniform random GPT-2 token ids), so no dataset is needed;
 give --dataset=NAME or --data_dir=DIR to read real data. Under another launcher (several
@@ -300,6 +301,10 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for strategy in strategies:
             for n in nprocs:
+                same = next((r for r in rows if r["strategy"] == "ddp" and r["nproc"] == 1), None)
+                if n == 1 and same is not None:  # one process shards nothing: fsdp runs as ddp
+                    rows.append({**same, "strategy": strategy, "measured_as": "ddp"})
+                    continue
                 result = Path(tmp) / f"{strategy}-{n}.json"
                 extra = [f"--strategy={strategy}"]
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",

@@ -26,7 +26,7 @@ def report(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
     tiny = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--global_batch_size=8",
             "--dtype=float32", "--device=cpu"]
-    proc = run([sys.executable, "bench.py", *tiny, "--nproc=1,2", "--strategies=ddp,fsdp", "--steps=3", "--warmup=1",
+    proc = run([sys.executable, "bench.py", *tiny, "--nproc=1,2", "--strategies=ddp,fsdp", "--steps=2", "--warmup=1",
                 f"--report={folder}"], child_env(), timeout=600)
     return folder, proc.stdout
 
@@ -47,7 +47,7 @@ def test_bench_figures_are_positive_and_consistent(report):
     folder, _ = report
     for r in json.loads((folder / "bench.json").read_text())["runs"]:
         raw = r["raw"]
-        assert len(raw["step_times"]) == 3 and all(t > 0 for t in raw["step_times"])
+        assert len(raw["step_times"]) == 2 and all(t > 0 for t in raw["step_times"])
         assert r["tokens_per_step"] == 8 * 32
         assert r["tokens_per_sec"] == pytest.approx(r["tokens_per_step"] / r["step_time_s"])
         assert r["step_time_min_s"] <= r["step_time_s"] <= r["step_time_max_s"]
@@ -90,9 +90,18 @@ def test_bench_bad_arguments_are_one_line():
 
 
 def test_plot_runs_overlays_two_runs(tmp_path, char_data):
-    for name, extra in (("a", {}), ("b", {"learning_rate": 1e-3})):
-        run([sys.executable, "train.py", *tiny_args(char_data, tmp_path / name, max_iters=6, eval_interval=3,
-                                                    **extra)], child_env())
+    """A short real run, and a second run's metrics.jsonl and config.json written as train.py
+    writes them (the plot reads nothing else)."""
+    run([sys.executable, "train.py", *tiny_args(char_data, tmp_path / "a", max_iters=6, eval_interval=3)],
+        child_env())
+    for name, world, rate in (("b", 2, 0.012),):
+        out = tmp_path / name
+        out.mkdir()
+        rows = [{"step": s, "loss": 4 * (1 - rate) ** s, "lr": 1e-3} for s in range(1, 101)]
+        rows += [{"step": s, "train_eval_loss": 4 * (1 - rate) ** s, "val_loss": 4.1 * (1 - rate) ** s,
+                  "tokens_seen": s * 2048} for s in range(0, 101, 25)]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (out / "config.json").write_text(json.dumps({"run": {"world_size": world, "tokens_per_step": 2048}}))
     out = tmp_path / "plots" / "runs.png"
     proc = run([sys.executable, "scripts/plot_runs.py", str(tmp_path / "a"), str(tmp_path / "b"), f"--out={out}"],
                child_env())

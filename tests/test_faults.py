@@ -5,6 +5,7 @@ with the weights of a run that was never disturbed."""
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,7 +66,7 @@ def uninterrupted(char_data, tmp_path_factory):
 
 # --- kill -9 ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_sigkill_at_a_random_moment_then_resume(char_data, tmp_path, uninterrupted, seed):
     proc = start([sys.executable, "train.py", *args_for(char_data, tmp_path)])
     wait_for_line(proc, "step 1:")
@@ -110,14 +111,14 @@ def test_sigint_stops_a_single_process_at_a_step_with_a_checkpoint(char_data, tm
 
 def test_sigint_to_torchrun_stops_both_ranks_and_resume_matches(char_data, tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
-    run([*torchrun, *args_for(char_data, tmp_path / "whole", resume="never")], child_env())
-    proc = start([*torchrun, *args_for(char_data, tmp_path / "cut")])
+    run([*torchrun, *args_for(char_data, tmp_path / "whole", resume="never", eval_interval=10)], child_env())
+    proc = start([*torchrun, *args_for(char_data, tmp_path / "cut", eval_interval=10)])
     wait_for_line(proc, "step 5:")
     proc.send_signal(signal.SIGINT)  # what Ctrl-C sends torchrun
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0 and "stopped by SIGINT at step" in out, out
     assert 5 <= weights(tmp_path / "cut")["step"] < STEPS
-    run([*torchrun, *args_for(char_data, tmp_path / "cut")], child_env())
+    run([*torchrun, *args_for(char_data, tmp_path / "cut", eval_interval=10)], child_env())
     assert_same_weights(weights(tmp_path / "cut"), weights(tmp_path / "whole"))
 
 
@@ -188,13 +189,21 @@ def big_args(data, out, **kw):
                                    "eval_interval": 1000, "resume": "auto", **kw})
 
 
+@pytest.fixture(scope="module")
+def big_run(big_data, tmp_path_factory):
+    """10 good steps on big_data, saved: what a corrupt file later interrupts."""
+    out = tmp_path_factory.mktemp("big_run") / "out"
+    run([sys.executable, "train.py", *big_args(big_data, out, max_iters=10, eval_interval=10)], child_env())
+    return out
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_a_bad_token_id_anywhere_in_train_ends_every_rank_with_one_line(big_data, tmp_path, nproc):
+def test_a_bad_token_id_anywhere_in_train_ends_every_rank_with_one_line(big_data, big_run, tmp_path, nproc):
     data = tmp_path / "data"
     data.mkdir()
     for name in ("train.bin", "val.bin", "meta.json"):
         (data / name).write_bytes((big_data / name).read_bytes())
-    run([sys.executable, "train.py", *big_args(data, tmp_path / "out", max_iters=10, eval_interval=10)], child_env())
+    shutil.copytree(big_run, tmp_path / "out")
     saved = (tmp_path / "out" / "last.pt").read_bytes()
     positions = unsampled_positions((data / "train.bin").stat().st_size // 2)
     corrupt(data / "train.bin", positions)

@@ -50,11 +50,15 @@ def ddp_reference(char_data, tmp_path_factory):
     return weights(out)
 
 
-@pytest.mark.parametrize("nproc, extra", [(2, {}), (4, {"batch_size": 2}),
-                                          (2, {"fsdp_reshard": False, "activation_checkpointing": True, "compile": True})])
-def test_fsdp_weights_equal_ddp_on_the_same_global_batch(char_data, tmp_path, ddp_reference, nproc, extra):
-    torchrun(nproc, args_for(char_data, tmp_path, strategy="fsdp", **extra))
-    ckpt = weights(tmp_path)
+@pytest.fixture(scope="module")
+def fsdp_whole(char_data, tmp_path_factory):
+    """An uninterrupted fsdp run on 2 processes: its out_dir."""
+    out = tmp_path_factory.mktemp("fsdp")
+    torchrun(2, args_for(char_data, out, strategy="fsdp"))
+    return out
+
+
+def assert_like_ddp(ckpt, ddp_reference, nproc):
     assert ckpt["step"] == STEPS and ckpt["world_size"] == nproc
     assert max_diff(ckpt, ddp_reference) < TOL
     # the optimizer state is the full one, in torch.optim's own layout, as DDP writes it
@@ -66,27 +70,37 @@ def test_fsdp_weights_equal_ddp_on_the_same_global_batch(char_data, tmp_path, dd
             assert (ckpt["optimizer"]["state"][i][key] - state[key]).abs().max() < TOL
 
 
-def test_fsdp_resume_is_exact_and_crosses_strategies_and_world_sizes(char_data, tmp_path, ddp_reference):
+def test_fsdp_on_2_processes_ends_with_ddps_weights_and_moments(fsdp_whole, ddp_reference):
+    assert_like_ddp(weights(fsdp_whole), ddp_reference, 2)
+
+
+@pytest.mark.parametrize("nproc, extra", [(4, {"batch_size": 2}),
+                                          (2, {"fsdp_reshard": False, "activation_checkpointing": True, "compile": True})])
+def test_fsdp_weights_equal_ddp_on_the_same_global_batch(char_data, tmp_path, ddp_reference, nproc, extra):
+    torchrun(nproc, args_for(char_data, tmp_path, strategy="fsdp", **extra))
+    assert_like_ddp(weights(tmp_path), ddp_reference, nproc)
+
+
+def test_fsdp_resume_is_exact_and_crosses_strategies_and_world_sizes(char_data, tmp_path, ddp_reference,
+                                                                     fsdp_whole):
     half = dict(max_iters=STEPS // 2)
     # fsdp -> fsdp, same world: bit for bit against an uninterrupted fsdp run
-    torchrun(2, args_for(char_data, tmp_path / "whole", strategy="fsdp"))
     torchrun(2, args_for(char_data, tmp_path / "ff", strategy="fsdp", **half))
     torchrun(2, args_for(char_data, tmp_path / "ff", strategy="fsdp", resume="auto"))
-    assert max_diff(weights(tmp_path / "ff"), weights(tmp_path / "whole")) == 0
-    # fsdp (W=2) -> ddp (one process), and ddp (W=2) -> fsdp (W=4): the next global batch
+    assert max_diff(weights(tmp_path / "ff"), weights(fsdp_whole)) == 0
+    # fsdp (W=2) -> ddp (one process), and ddp (one process) -> fsdp (W=2): the next global batch
     torchrun(2, args_for(char_data, tmp_path / "fd", strategy="fsdp", **half))
     run([sys.executable, "train.py", *args_for(char_data, tmp_path / "fd", resume="auto")], child_env())
-    torchrun(2, args_for(char_data, tmp_path / "df", strategy="ddp", **half))
-    out = torchrun(4, args_for(char_data, tmp_path / "df", strategy="fsdp", batch_size=2, resume="auto")).stdout
+    run([sys.executable, "train.py", *args_for(char_data, tmp_path / "df", **half)], child_env())
+    out = torchrun(2, args_for(char_data, tmp_path / "df", strategy="fsdp", resume="auto")).stdout
     assert f"resuming from {tmp_path / 'df' / 'last.pt'} at step 3" in out
     for name in ("fd", "df"):
         ckpt = weights(tmp_path / name)
         assert ckpt["step"] == STEPS and max_diff(ckpt, ddp_reference) < TOL, name
 
 
-def test_sample_reads_an_fsdp_checkpoint(char_data, tmp_path):
-    torchrun(2, args_for(char_data, tmp_path, strategy="fsdp", max_iters=3))
-    out = run([sys.executable, "sample.py", f"--out_dir={tmp_path}", "--num_samples=1", "--max_new_tokens=20",
+def test_sample_reads_an_fsdp_checkpoint(fsdp_whole):
+    out = run([sys.executable, "sample.py", f"--out_dir={fsdp_whole}", "--num_samples=1", "--max_new_tokens=20",
                "--device=cpu"], child_env()).stdout
     assert len(out.strip()) > 20
 
@@ -119,8 +133,8 @@ def test_one_reduce_scatter_per_shard_group_per_optimizer_step(char_data, tmp_pa
 
 
 def test_sigterm_stops_an_fsdp_run_that_resumes_to_the_same_weights(char_data, tmp_path):
-    steps = 60
-    base = dict(strategy="fsdp", max_iters=steps, eval_interval=30, lr_decay_iters=steps)
+    steps = 30
+    base = dict(strategy="fsdp", max_iters=steps, eval_interval=15, lr_decay_iters=steps)
     torchrun(2, args_for(char_data, tmp_path / "whole", **base))
     args = args_for(char_data, tmp_path / "cut", **{**base, "resume": "auto"})
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
