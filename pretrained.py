@@ -11,6 +11,7 @@ Under several processes rank 0 reads and the other ranks receive (checkpoint.on_
 as for a resume, so other hosts need no copy.
 """
 
+import functools
 import json
 from pathlib import Path
 
@@ -28,6 +29,7 @@ def is_pretrained(init_from: str) -> bool:
     return init_from not in ("scratch", "resume")
 
 
+@functools.lru_cache(maxsize=None)  # model_args() and load_state() both ask: look (or download) once
 def locate(init_from: str) -> Path:
     """The folder of a released model (from the Hugging Face cache, else downloaded) or a path."""
     if init_from not in RELEASED:
