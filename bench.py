@@ -43,17 +43,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from config import resolve
-from data.dataset import write_dataset
-from errors import ConfigError, RunError
-from launch import (World, any_rank, find_world, pick_backend, pick_device, pick_dtype, process_group,
-                    use_device)
+from config import CHOICES, resolve
+from data.dataset import GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
+from errors import ConfigError, reported
+from collectives import any_rank
 from loader import Dataset
-from parallel import STRATEGIES
-from train import accumulation_steps, build_run, optimizer_step
+
+from train import build_run, optimizer_step
+from world import World, accumulation_steps, process_group, setup
 
 REPO = Path(__file__).resolve().parent
-GPT2_VOCAB = 50257
 
 
 # -----------------------------------------------------------------------------
@@ -148,18 +147,14 @@ KERNEL_KINDS = [
 
 def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir, profile_dir):
     cfg = resolve(cfg_args + ["--resume=never", f"--out_dir={tempfile.gettempdir()}/gpt-train-bench-out"])
-    world = find_world()
-    device = pick_device(cfg.device, world)
-    dtype = pick_dtype(cfg.dtype, device)
-    backend = pick_backend(cfg.backend, device)
-    accum = accumulation_steps(cfg, world)
-    use_device(device, dtype, world)
-    with process_group(world, device, backend, cfg.dist_timeout):
+    world = setup(cfg)
+    device, accum = world.device, world.accum
+    with process_group(world, cfg.dist_timeout):
         if synthetic_dir:
             n_train = (warmup + 2 * steps + 2) * cfg.global_batch_size * cfg.block_size + cfg.block_size
             cfg.data_dir = str(synthetic_data(cfg, world, Path(synthetic_dir), n_train))
         meta = Dataset(cfg).ready(world)
-        run = build_run(cfg, world, device, dtype, accum, meta)
+        run = build_run(cfg, world, meta)
         timed_steps(run, warmup, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -181,7 +176,7 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
             mfu=run.raw_model.estimate_mfu(cfg.batch_size * accum, statistics.mean(times),
                                            cfg.peak_flops or None) if device.type == "cuda" else None,
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-            dtype=str(dtype).removeprefix("torch."), backend=backend, compile=cfg.compile,
+            dtype=str(world.dtype).removeprefix("torch."), backend=world.backend, compile=cfg.compile,
             config=cfg.to_dict(), data="synthetic" if synthetic_dir else str(cfg.data_dir or cfg.dataset))
         if world.is_master:
             result.write_text(json.dumps(figures, indent=1))
@@ -288,12 +283,10 @@ def main(argv=None):
                       opts["report"] if flags["--profile"] else None)
 
     nprocs = parse_list("nproc", opts["nproc"], int)
-    strategies = parse_list("strategies", opts["strategies"], str, STRATEGIES)
+    strategies = parse_list("strategies", opts["strategies"], str, CHOICES["strategy"])
     cfg = resolve(cfg_args)  # a bad config fails here, once
     for n in nprocs:
-        if cfg.global_batch_size % (cfg.batch_size * n):
-            raise ConfigError(f"global_batch_size ({cfg.global_batch_size}) cannot be split over {n} "
-                              f"processes of batch_size {cfg.batch_size}: choose --nproc or --batch_size")
+        accumulation_steps(cfg, n)  # raises where the global batch cannot be split over n
     report = Path(opts["report"])
     report.mkdir(parents=True, exist_ok=True)
     synthetic = not any(a.startswith(("--dataset=", "--data_dir=")) for a in cfg_args)
@@ -335,8 +328,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ConfigError, RunError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, ConfigError) else 1)
+    with reported(debug="--debug" in sys.argv):
+        main([a for a in sys.argv[1:] if a != "--debug"])

@@ -1,12 +1,10 @@
-"""Checkpoints: written by rank 0 atomically, read by rank 0, shared with every rank.
+"""Checkpoint files: written atomically by rank 0, read with weights_only=True, checked.
 
 A checkpoint is a dict of tensors and plain Python values, so that
-`torch.load(path, weights_only=True)` reads it and nothing in it can run code.
-Only global rank 0 touches the file system; the other ranks receive the state
-over the process group, so hosts need no shared disk. The cost: rank 0 sends
-the whole checkpoint (weights, optimizer moments: about 12 bytes per parameter
-for AdamW in float32) to every other rank once per resume, over the gloo
-control group, and each rank briefly holds a second copy of it in memory.
+`torch.load(path, weights_only=True)` reads it and nothing in it can run code. Only global
+rank 0 touches out_dir; train.py hands the state to the other ranks (parallel.py,
+collectives.py), so hosts need no shared disk. last.pt is the newest, previous.pt the one
+before it, best.pt the one with the lowest validation loss.
 """
 
 import dataclasses
@@ -15,18 +13,17 @@ import json
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from config import Config
-from data.files import atomic_write
-from errors import CheckpointNotWritten, ConfigError, OutDirBusy, OutDirUnwritable, first_line
-from launch import World, agree_or_raise, any_rank
-from model import GPTConfig
+from data.files import atomic_write, remove_stale_temporaries
+from errors import ConfigError, OutDirBusy, OutDirUnwritable, first_line
+from model import GPT, GPTConfig
 
 FORMAT = 1
 
@@ -45,23 +42,6 @@ def link_or_copy(src: Path, dst: Path):
             atomic_write(dst, lambda f: shutil.copyfileobj(source, f))
 
 
-def save_on_rank0(state: dict, out_dir: Path, best: bool, world: World):
-    """Rank 0 writes `state`; every rank learns whether it could, and raises if not.
-
-    Every rank calls this with the state it built (building it may itself be collective);
-    the agreement at the end is also the barrier that keeps ranks from running ahead of
-    the write.
-    """
-    failure = None
-    if world.is_master:
-        try:
-            save(state, out_dir, best)
-        except (OSError, RuntimeError) as e:  # a full disk surfaces as either
-            failure = first_line(e)
-    if any_rank(failure is not None, world):
-        raise CheckpointNotWritten(state["step"], failure or "see rank 0's log")
-
-
 def save(state: dict, out_dir: Path, best: bool):
     """Write last.pt atomically (temporary file, fsync, rename); make best.pt the same bytes if best.
 
@@ -76,42 +56,31 @@ def save(state: dict, out_dir: Path, best: bool):
         link_or_copy(last, out_dir / "best.pt")
 
 
-def prepare_out_dir(out_dir: Path, world: World, lock: "OutDirLock"):
-    """Find out now, not at the first checkpoint, that rank 0 cannot write to out_dir, or that
-    another run holds it (every rank raises the same message)."""
-    error = lock.error
-    if world.is_master and error is None:
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            for path in remove_stale_temporaries(out_dir):
-                print(f"removed {path}, left by a run that was killed while writing", flush=True)
-            with tempfile.TemporaryFile(dir=out_dir):
-                pass
-        except OSError as e:
-            error = str(OutDirUnwritable(out_dir, e))
-    agree_or_raise(error, world, "rank 0 cannot use out_dir: see its message", share=True)
-
-
 class OutDirLock:
     """Rank 0's exclusive lock on out_dir for the whole run: an fcntl lock on out_dir/run.lock,
     which the OS drops when the process ends, however it ends, so a dead run never blocks. The
     file names its holder (host, pid, start time). sample.py and other readers never lock.
 
-    Rank 0 tries it before the process group forms; a failure is kept and raised on every rank
-    at the group's first agreement (prepare_out_dir), since only rank 0 sees its out_dir."""
+    Rank 0 takes it before the process group forms, and checks that it can write there (now,
+    not at the first checkpoint); a failure is kept in .error, which train.py raises on every
+    rank at the group's first agreement, since only rank 0 sees its out_dir."""
 
-    def __init__(self, out_dir, world: World):
+    def __init__(self, out_dir, world):
         self.fd, self.error = None, None
         if not world.is_master:
             return
-        path = Path(out_dir) / "run.lock"
+        out_dir = Path(out_dir)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(out_dir / "run.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            self._take(out_dir)
+            if self.error is None:
+                for path in remove_stale_temporaries(out_dir):
+                    print(f"removed {path}, left by a run that was killed while writing", flush=True)
+                with tempfile.TemporaryFile(dir=out_dir):
+                    pass
         except OSError as e:
             self.error = str(OutDirUnwritable(out_dir, e))
-        else:
-            self._take(out_dir)
         if self.error and world.size == 1:
             raise ConfigError(self.error)  # alone: say it at once
 
@@ -137,37 +106,6 @@ class OutDirLock:
 
     def __exit__(self, *exc):
         self.release()
-
-
-def remove_stale_temporaries(out_dir: Path) -> list:
-    """Delete temporary files a killed run left behind (they never replaced a real file)."""
-    stale = sorted(out_dir.glob(".*.tmp"))
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return stale
-
-
-def gather_rng_states(world_size: int, group=None) -> dict:
-    """Every rank's RNG states, stacked by rank. A collective: every rank calls it."""
-    states = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state()  # a CPU tensor, like the CPU state
-    if world_size == 1:
-        return {k: v[None] for k, v in states.items()}
-    gathered = {}
-    for key, state in states.items():
-        parts = [torch.empty_like(state) for _ in range(world_size)]
-        dist.all_gather(parts, state, group=group)
-        gathered[key] = torch.stack(parts)
-    return gathered
-
-
-def restore_rng_states(rng: dict, rank: int):
-    # clone: a row of the stacked states is a view at an offset, and set_rng_state reads
-    # such a view from the start of its storage (rank > 0 crashed on it)
-    torch.set_rng_state(rng["cpu"][rank].clone())
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"][rank].clone())
 
 
 def find(cfg: Config):
@@ -238,105 +176,58 @@ def load(path: Path, model_args: dict, cfg: Config) -> dict:
     return ckpt
 
 
+def read_first(paths: list, use):
+    """use(path) for the first of `paths` that is not an UnreadableCheckpoint; each damaged
+    one is reported and the next tried (last.pt -> previous.pt; best.pt -> last.pt)."""
+    for i, path in enumerate(paths):
+        try:
+            return use(path)
+        except UnreadableCheckpoint as e:
+            if i == len(paths) - 1:
+                raise
+            print(f"warning: {e}\ntrying {paths[i + 1]} instead", file=sys.stderr, flush=True)
+
+
 def load_for_resume(cfg: Config, model_args: dict):
     """The checkpoint this run continues from, or None; with resume=auto, a damaged
-    last.pt falls back to previous.pt, saying so."""
+    last.pt falls back to previous.pt."""
     path = find(cfg)
     if path is None:
         return None
-    try:
-        return load(path, model_args, cfg)
-    except UnreadableCheckpoint as e:
-        previous = path.with_name("previous.pt")
-        if cfg.resume != "auto" or not previous.exists():
-            raise
-        print(f"warning: {e}\nresuming from {previous}, the checkpoint before it", flush=True)
-        return load(previous, model_args, cfg)
+    previous = path.with_name("previous.pt")
+    paths = [path, previous] if cfg.resume == "auto" and previous.exists() else [path]
+    return read_first(paths, lambda p: load(p, model_args, cfg))
 
 
-def load_on_rank0(cfg: Config, model_args: dict, world: World):
-    """The checkpoint this run continues from, or None, on every rank: rank 0 reads and checks
-    it (other hosts need no copy of the file) and sends it, or its error, to the others."""
-    return on_rank0(lambda: load_for_resume(cfg, model_args), world)
+def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
+    """(model in eval mode, meta.json, path, step) of a training run, for sample.py and
+    scripts/export_hf.py: best.pt, else last.pt (or the other way round)."""
+    names = ("best.pt", "last.pt") if prefer == "best" else ("last.pt", "best.pt")
+    paths = [out_dir / name for name in names if (out_dir / name).exists()]
+    if not paths:
+        raise ConfigError(f"no best.pt or last.pt in {out_dir}: train first, or pass --out_dir")
 
-
-def on_rank0(read, world: World):
-    """read() on rank 0; its result (tensors and plain values) or its ConfigError on every rank."""
-    result, error = None, None
-    if world.is_master:
+    def build(path):
+        ckpt = read(path)
         try:
-            result = read()
-        except ConfigError as e:
-            error = str(e)
-    if world.size > 1:
-        result, error = share_from_rank0(result, error, world.group)
-    if error:
-        raise ConfigError(error)
-    return result
+            model = GPT(GPTConfig(**{**ckpt["model_args"], "dropout": 0.0}))
+            model.load_state_dict(ckpt["model"])
+        except Exception as e:  # plain data, but not a checkpoint of this repo's GPT
+            raise UnreadableCheckpoint(f"{path} is not a GPT checkpoint of this repo "
+                                       f"({type(e).__name__}: {first_line(e)})") from None
+        return model, ckpt["step"], path
 
-
-def _pack(obj, tensors: list):
-    """A JSON-able description of `obj` with its tensors moved out into `tensors`."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return {"tensor": len(tensors) - 1}
-    if isinstance(obj, dict):  # keys keep their type (optimizer state is keyed by int)
-        return {"dict": [[_pack(k, tensors), _pack(v, tensors)] for k, v in obj.items()]}
-    if isinstance(obj, (list, tuple)):
-        return {type(obj).__name__: [_pack(v, tensors) for v in obj]}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return {"value": obj}
-    raise TypeError(f"a checkpoint holds only tensors and plain values, not {type(obj).__name__}")
-
-
-def _unpack(desc: dict, tensors: list):
-    kind, body = next(iter(desc.items()))
-    if kind == "tensor":
-        return tensors[body]
-    if kind == "dict":
-        return {_unpack(k, tensors): _unpack(v, tensors) for k, v in body}
-    if kind in ("list", "tuple"):
-        items = [_unpack(v, tensors) for v in body]
-        return items if kind == "list" else tuple(items)
-    return body
-
-
-def _broadcast_bytes(data: torch.Tensor, group) -> torch.Tensor:
-    """Broadcast a uint8 tensor of any length from rank 0 (others pass an empty one)."""
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    dist.broadcast(size, src=0, group=group)
-    if dist.get_rank() != 0:
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(data, src=0, group=group)
-    return data
-
-
-def share_from_rank0(ckpt, error, group=None):
-    """Send rank 0's checkpoint (or its error) to every rank: tensors as raw bytes, the rest as JSON.
-
-    No pickle: the structure travels as JSON, the tensors as one flat byte buffer.
-    Returns (ckpt, error) on every rank.
-    """
-    tensors: list = []
-    if dist.get_rank() == 0:
-        desc = {"error": error} if error is not None else {"ckpt": _pack(ckpt, tensors)}
-        desc["tensors"] = [(str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size())
-                           for t in tensors]
-        header = torch.frombuffer(bytearray(json.dumps(desc).encode()), dtype=torch.uint8)
-        payload = (torch.cat([t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
-                   if tensors else torch.empty(0, dtype=torch.uint8))
-    else:
-        header = payload = torch.empty(0, dtype=torch.uint8)
-    desc = json.loads(_broadcast_bytes(header, group).numpy().tobytes())
-    payload = _broadcast_bytes(payload, group)
-    if "error" in desc:
-        return None, desc["error"]
-    if dist.get_rank() == 0:
-        return ckpt, None
-    received, offset = [], 0
-    for dtype, shape, nbytes in desc["tensors"]:
-        chunk = payload[offset:offset + nbytes].clone()  # clone: aligned memory for the view
-        received.append(chunk.view(getattr(torch, dtype)).reshape(shape))
-        offset += nbytes
-    return _unpack(desc["ckpt"], received), None
-
+    model, step, path = read_first(paths, build)
+    from data.dataset import load_meta
+    meta_path = out_dir / "meta.json"
+    if not meta_path.is_file():
+        raise ConfigError(f"{meta_path} is missing: train.py writes it beside the checkpoint; copy "
+                          f"the dataset's meta.json there")
+    try:
+        meta = load_meta(out_dir)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if meta["vocab_size"] != model.config.vocab_size:
+        raise ConfigError(f"{meta_path} has a vocabulary of {meta['vocab_size']} tokens but {path} was "
+                          f"trained with {model.config.vocab_size}: they come from different runs")
+    return model.eval().to(device), meta, path, step

@@ -10,6 +10,9 @@ that raises them reads as control flow.
 """
 
 import socket
+import sys
+import traceback
+from contextlib import contextmanager
 
 
 class ConfigError(ValueError):
@@ -22,6 +25,19 @@ class RunError(RuntimeError):
 
 def first_line(e: BaseException, limit: int = 200) -> str:
     return (str(e).splitlines() or [""])[0][:limit]
+
+
+@contextmanager
+def reported(debug: bool = False, also: tuple = ()):
+    """Every entry point runs inside this: a ConfigError (or an exception of a class in `also`)
+    exits 2, a RunError 1, each as one line starting with "error:"; the traceback only if debug."""
+    try:
+        yield
+    except (ConfigError, RunError, *also) as e:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1 if isinstance(e, RunError) else 2)
 
 
 class GlobalBatchIndivisible(ConfigError):

@@ -30,7 +30,7 @@ import torch
 from config import Config
 from data.dataset import Shard, check_token_files, has_tokens, load_meta, split_shards
 from errors import BadTokenId, ConfigError
-from launch import World, agree_or_raise
+from collectives import agree_or_raise
 
 REPO = Path(__file__).resolve().parent
 
@@ -93,9 +93,7 @@ class ShardedTokenLoader:
 
     def __init__(self, tokens: Tokens, block_size: int, batch_size: int, global_batch_size: int,
                  rank: int, world_size: int, seed: int, device="cpu"):
-        if global_batch_size % (batch_size * world_size):
-            raise ValueError(f"global_batch_size ({global_batch_size}) is not a multiple of "
-                             f"batch_size ({batch_size}) x world_size ({world_size})")
+        assert global_batch_size % (batch_size * world_size) == 0, "world.setup checks this first"
         self.tokens = tokens
         self.block_size, self.batch_size = block_size, batch_size
         self.global_batch_size = global_batch_size
@@ -113,7 +111,9 @@ class ShardedTokenLoader:
         self.epoch, self.position = -1, 0  # position: windows consumed by all ranks this epoch
 
     def set_epoch(self, epoch: int):
-        """Start epoch `epoch`: a fresh offset and order, the same on every rank."""
+        """Start epoch `epoch`: a fresh offset and order, the same on every rank. next_batch()
+        calls it when an epoch is used up (always at an optimizer step's end, since an epoch
+        holds whole steps), so a resumed loader rolls over exactly where the first would have."""
         rng = np.random.default_rng([self.seed, epoch])
         passes = []
         for _ in range(self.passes):
@@ -126,18 +126,17 @@ class ShardedTokenLoader:
 
     @property
     def epoch_done(self) -> bool:
-        """True when this epoch's steps are all consumed: call set_epoch(epoch + 1)."""
         return self.epoch < 0 or self.position >= self.windows_per_epoch
 
     def rank_starts(self) -> np.ndarray:
         """Start offsets of this rank's next micro-batch (does not advance)."""
         span = self.batch_size * self.world_size
-        if self.epoch < 0 or self.position + span > self.windows_per_epoch:
-            raise RuntimeError("epoch exhausted: call set_epoch(epoch + 1) before the next batch")
         return self.starts[self.position + self.rank:self.position + span:self.world_size]
 
     def next_batch(self) -> tuple:
         """This rank's next micro-batch (x, y); every rank advances past all ranks' windows."""
+        if self.epoch_done:
+            self.set_epoch(self.epoch + 1)
         starts = self.rank_starts()
         self.position += self.batch_size * self.world_size
         return windows_to_batch(self.tokens, starts, self.block_size, self.device)
@@ -212,7 +211,7 @@ class Dataset:
             raise ConfigError(f"prepare_input {cfg.prepare_input} does not exist: the dataset in "
                               f"{self.dir} is missing and would be prepared from it")
 
-    def ready(self, world: World) -> dict:
+    def ready(self, world) -> dict:
         """The checked meta on every rank. Each host's local rank 0 prepares missing data; every
         rank takes part in both agreements (a host with data cannot know another lacks it), so
         a failure on one host (no shared disk) stops every rank, not only that host's."""

@@ -11,7 +11,9 @@ fsdp  PyTorch's FSDP2 (fully_shard): each transformer block, then the root (embe
 
 Both strategies read and write the same checkpoints: the full state dict, gathered to rank 0,
 with the optimizer state keyed as torch.optim's own state_dict() keys it (by parameter
-position), so a checkpoint of one strategy resumes under the other, at any world size.
+position), so a checkpoint of one strategy resumes under the other, at any world size. On a
+resume rank 0 reads the file and PyTorch's state-dict API (broadcast_from_rank0) hands each
+rank its part.
 """
 
 from contextlib import contextmanager
@@ -20,37 +22,34 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launch import World
-
-STRATEGIES = ("ddp", "fsdp")
-
+from world import World
 
 def is_fsdp(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
     return isinstance(model, FSDPModule)
 
 
-def shard(model, strategy: str, world: World, device: torch.device, dtype: torch.dtype, reshard: bool):
+def shard(model, strategy: str, world: World, reshard: bool):
     """FSDP: shard each block, then the root, in place (the optimizer is made afterwards, on the
     shards). DDP: nothing yet (wrap() comes after compile)."""
     if strategy != "fsdp":
         return
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(device.type, (world.size,))
+    mesh = init_device_mesh(world.device.type, (world.size,))
     # Compute in dtype; gradients are reduced in float32 and the sharded master weights stay
     # float32 (what the optimizer steps). autocast still runs the losses and norms in float32.
-    mp = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype,
+    mp = MixedPrecisionPolicy(param_dtype=None if world.dtype == torch.float32 else world.dtype,
                               reduce_dtype=torch.float32)
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
 
 
-def wrap(model, raw_model, world: World, device: torch.device):
+def wrap(model, raw_model, world: World):
     """What trains: DDP around the (compiled) model when ddp has several ranks."""
     if world.size > 1 and not is_fsdp(raw_model):
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
     return model
 
 
@@ -113,23 +112,26 @@ def full_state(raw_model, optimizer) -> tuple:
     return model_sd, {"state": state, "param_groups": groups}
 
 
-def load_full_state(raw_model, optimizer, model_sd: dict, optim_sd=None):
-    """Load a full state (every rank has it); under FSDP each rank keeps its own shard."""
-    if not is_fsdp(raw_model):
+def load_full_state(raw_model, optimizer, world: World, model_sd: dict, optim_sd: dict = None):
+    """Load a full state that rank 0 holds (the others pass empty dicts, and optim_sd=None on
+    every rank to leave the optimizer as it is). PyTorch's state-dict API broadcasts it tensor
+    by tensor, so no rank holds a second whole copy; under FSDP each rank keeps its shard."""
+    if world.size == 1:
         raw_model.load_state_dict(model_sd)
         if optim_sd is not None:
             optimizer.load_state_dict(optim_sd)
         return
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
-    options = StateDictOptions(full_state_dict=True)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(raw_model, dict(model_sd), options=options)  # a copy: it is changed in place
     if optim_sd is not None:
-        names = _fqns(raw_model, optimizer)
-        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in optim_sd["param_groups"]]
-        state = {names[i]: dict(s) for i, s in optim_sd["state"].items()}
-        set_optimizer_state_dict(raw_model, optimizer, {"state": state, "param_groups": groups},
-                                 options=options)
+        if optim_sd:  # rank 0: positions -> names, the layout the API reads
+            names = _fqns(raw_model, optimizer)
+            optim_sd = {"state": {names[i]: dict(s) for i, s in optim_sd["state"].items()},
+                        "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                         for g in optim_sd["param_groups"]]}
+        set_optimizer_state_dict(raw_model, optimizer, optim_sd, options=options)
 
 
 def make_scaler(device: torch.device, dtype: torch.dtype, strategy: str):

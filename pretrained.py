@@ -4,11 +4,11 @@ init_from may name a released model (gpt2, gpt2-medium, gpt2-large, gpt2-xl: 124
 parameters), taken from the local Hugging Face cache or downloaded into it, or a folder holding
 a Hugging Face GPT-2 model (config.json and model.safetensors, or pytorch_model.bin, read with
 weights_only=True). transformers is not needed: safetensors reads the weights, huggingface_hub
-finds or fetches them, and model.py maps the names. export() writes a checkpoint as such a
-folder, which transformers' GPT2LMHeadModel.from_pretrained loads.
+finds or fetches them, and gpt2_from_hf/gpt2_to_hf map the names. export() writes a checkpoint
+as such a folder, which transformers' GPT2LMHeadModel.from_pretrained loads.
 
-Under several processes rank 0 reads and the other ranks receive (checkpoint.on_rank0),
-as for a resume, so other hosts need no copy.
+Under several processes rank 0 reads and the other ranks receive, as for a resume, so other
+hosts need no copy.
 """
 
 import functools
@@ -16,13 +16,80 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from config import GPT2_NAMES
+from data.dataset import GPT2_EOT
 from errors import ConfigError, first_line
-from model import GPT, GPTConfig, gpt2_from_hf, gpt2_to_hf
+from model import GPT, GPTConfig
 
 RELEASED = {name: f"openai-community/{name}" for name in GPT2_NAMES}
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+# GPT-2 in Hugging Face's layout (transformers' GPT2LMHeadModel): the same names, under
+# "transformer." (older files drop the prefix); Conv1D layers store their weight as (in, out),
+# the transpose of nn.Linear's; attention mask buffers (".attn.bias", ".attn.masked_bias") are
+# not weights; lm_head.weight is the token embedding.
+
+HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def _is_mask_buffer(name):
+    return name.endswith((".attn.bias", ".attn.masked_bias"))
+
+
+def gpt2_from_hf(hf_state, model):
+    """`model`'s state dict from a Hugging Face GPT-2 state dict, every name checked one to one.
+
+    The position table is cropped to model's block_size and the token rows padded to its
+    padded vocabulary. Raises ValueError naming the first tensor that is missing, extra or of
+    another shape.
+    """
+    expected = model.state_dict()
+    got = {}
+    for name, tensor in hf_state.items():
+        name = name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
+        if _is_mask_buffer(name) or name == "lm_head.weight":
+            continue
+        got[name] = tensor.t() if name.endswith(HF_TRANSPOSED) else tensor
+    names = expected.keys() - {"lm_head.weight"}
+    for problem, found in (("lack", sorted(names - got.keys())), ("hold an unknown tensor", sorted(got.keys() - names))):
+        if found:
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            raise ValueError(f"the GPT-2 weights {problem} {found[0]}{more}")
+    cfg = model.config
+    got["transformer.wpe.weight"] = got["transformer.wpe.weight"][:cfg.block_size]
+    wte = got["transformer.wte.weight"]
+    if wte.shape[0] == cfg.vocab_size:
+        got["transformer.wte.weight"] = F.pad(wte, (0, 0, 0, cfg.padded_vocab_size - cfg.vocab_size))
+    for name in (n for n in expected if n in names):  # in the model's order: the first misfit is named
+        if got[name].shape != expected[name].shape:
+            raise ValueError(f"{name} has shape {tuple(got[name].shape)} in the GPT-2 weights, but "
+                             f"{tuple(expected[name].shape)} in a GPT of n_layer={cfg.n_layer}, "
+                             f"n_head={cfg.n_head}, n_embd={cfg.n_embd}, vocab_size={cfg.vocab_size}")
+    state = {name: got[name].to(torch.float32).contiguous() for name in expected if name in names}
+    state["lm_head.weight"] = state["transformer.wte.weight"]
+    return state
+
+
+def gpt2_to_hf(model):
+    """A Hugging Face GPT-2 state dict of `model` (lm_head left out: transformers ties it to
+    wte). GPT-2 always has biases; a model without them gets zeros, which compute the same."""
+    cfg = model.config
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        if name == "transformer.wte.weight":
+            tensor = tensor[:cfg.vocab_size]
+        state[name] = (tensor.t() if name.endswith(HF_TRANSPOSED) else tensor).detach().float().contiguous().clone()
+    if not cfg.bias:
+        for name, tensor in list(state.items()):
+            if name.endswith(".weight") and not name.endswith(("wte.weight", "wpe.weight")):
+                out = tensor.shape[-1] if name.endswith(HF_TRANSPOSED) else tensor.shape[0]
+                state[name[:-len("weight")] + "bias"] = torch.zeros(out)
+    return state
 
 
 def is_pretrained(init_from: str) -> bool:
@@ -120,7 +187,6 @@ def load_gpt(init_from: str, device="cpu") -> GPT:
 def export(model: GPT, folder, gpt2_tokenizer: bool):
     """Write `model` as a Hugging Face GPT-2 folder: config.json, model.safetensors and, for a
     model of GPT-2's BPE, the tokenizer files."""
-    from safetensors.torch import save_file
     from data.files import atomic_write_bytes
     from data.tokenizers import write_gpt2_tokenizer_files
     folder = Path(folder)
@@ -131,10 +197,9 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
               "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new",
               "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
               "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
-              "tie_word_embeddings": True, "bos_token_id": 50256, "eos_token_id": 50256}
-    tmp = folder / ".model.safetensors.tmp"
-    save_file(gpt2_to_hf(model), str(tmp), metadata={"format": "pt"})
-    tmp.replace(folder / "model.safetensors")
+              "tie_word_embeddings": True, "bos_token_id": GPT2_EOT, "eos_token_id": GPT2_EOT}
+    from safetensors.torch import save
+    atomic_write_bytes(folder / "model.safetensors", save(gpt2_to_hf(model), metadata={"format": "pt"}))
     atomic_write_bytes(folder / "config.json", (json.dumps(config, indent=1) + "\n").encode())
     if gpt2_tokenizer:
         write_gpt2_tokenizer_files(folder, cfg.block_size)

@@ -10,19 +10,19 @@
     torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=HOST_A --master_port=29500 train.py
 
 Arguments are config files (plain Python) and --name=value overrides; see config.py and the
-table in README.md. Ranks come from the launcher's environment (launch.py finds them). Only
+table in README.md. Ranks come from the launcher's environment (world.py finds them). Only
 global rank 0 writes into out_dir.
 
 One rule governs start-up: every problem is found before the process group forms, by every
-rank alike, or, when only some ranks can see it (rank 0's checkpoint, one host's data), agreed
-on by all ranks before anyone acts on it. So a mistake ends every rank at once with the same
-message, and no rank is left waiting for a peer that has already given up.
+rank alike (world.setup), or, when only some ranks can see it (rank 0's checkpoint, one host's
+data), agreed on by all ranks before anyone acts on it (collectives.py). So a mistake ends
+every rank at once with the same message, and no rank is left waiting for a peer that has
+already given up.
 """
 
 import math
 import signal
 import sys
-import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,15 +35,14 @@ import torch.distributed as dist
 import checkpoint
 import parallel
 import pretrained
+from collectives import agree_or_raise, any_rank, first_error, gather_rng_states, log_step, on_rank0, restore_rng_states
 from config import Config, resolve
-from errors import ConfigError, Diverged, GlobalBatchIndivisible, RunError
-from launch import (StopSignal, World, agree_max, agree_or_raise, collective_failures_explained, find_world,
-                    first_error, mean_over_ranks, pick_backend, pick_device, pick_dtype, process_group,
-                    strip_local_rank, use_device)
 from data.dataset import split_shards
+from errors import CheckpointNotWritten, ConfigError, Diverged, first_line, reported
 from loader import Dataset, ShardedTokenLoader, Tokens, dataset_dir, eval_starts, windows_to_batch
 from logger import Logger
 from model import GPT, GPTConfig
+from world import StopSignal, World, collective_failures_explained, process_group, setup, strip_local_rank
 
 
 # -----------------------------------------------------------------------------
@@ -63,25 +62,29 @@ def get_lr(step: int, cfg: Config) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, tokens, starts, cfg: Config, world: World, device, autocast) -> float:
+def evaluate(run: "Run", tokens: Tokens, starts: np.ndarray) -> float:
     """Mean loss over fixed windows split across ranks; sums are all-reduced, so every rank agrees."""
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float32 if device.type == "mps" else torch.float64,
-                         device=device)  # (sum of token losses, token count)
+    cfg, world = run.cfg, run.world
+    run.model.eval()
+    # (sum of token losses, token count, ranks that read a token id past the vocabulary)
+    totals = torch.zeros(3, dtype=torch.float32 if world.device.type == "mps" else torch.float64,
+                         device=world.device)
     mine = starts[world.rank::world.size]
     # FSDP gathers weights in every forward, so every rank runs as many as rank 0 (spares count 0)
-    n = len(starts[::world.size]) if cfg.strategy == "fsdp" else len(mine)
+    n = len(starts[::world.size]) if parallel.is_fsdp(run.raw_model) else len(mine)
     for i in range(0, n, cfg.batch_size):
         batch = mine[i:i + cfg.batch_size]
-        x, y = windows_to_batch(tokens, batch if len(batch) else starts[:1], cfg.block_size, device)
-        with autocast:
-            _, loss = model(x, y)
+        x, y = windows_to_batch(tokens, batch if len(batch) else starts[:1], cfg.block_size, world.device)
+        with run.autocast:
+            _, loss = run.model(x, y)
         totals[0] += loss.to(totals.dtype) * y.numel() * (len(batch) > 0)
         totals[1] += y.numel() * (len(batch) > 0)
+    totals[2] = tokens.bad is not None
     if world.size > 1:
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-    agree_or_raise(tokens.bad, world, "", share=True)  # an id past the vocabulary: all ranks stop
-    model.train()
+    if totals[2] > 0:  # no loss of a damaged split is reported: every rank stops with one message
+        raise ConfigError(first_error(tokens.bad, world))
+    run.model.train()
     return (totals[0] / totals[1]).item()
 
 
@@ -106,10 +109,8 @@ def accumulate_gradients(model, raw_model, loader, accum: int, autocast, scaler,
 def optimizer_step(run: "Run", sync: bool = True):
     """One optimizer step over the global batch: micro-steps, clip, step. Returns this rank's
     mean loss (a tensor: reading it would wait for the GPU) and the gradient norm (or None)."""
-    if run.loader.epoch_done:
-        run.loader.set_epoch(run.loader.epoch + 1)
-    step_loss = accumulate_gradients(run.model, run.raw_model, run.loader, run.accum, run.autocast, run.scaler,
-                                     sync)
+    step_loss = accumulate_gradients(run.model, run.raw_model, run.loader, run.world.accum, run.autocast,
+                                     run.scaler, sync)
     grad_norm = None
     if run.cfg.grad_clip > 0:
         run.scaler.unscale_(run.optimizer)
@@ -117,20 +118,11 @@ def optimizer_step(run: "Run", sync: bool = True):
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
-    run.step += 1
     return step_loss, grad_norm
 
 
 # -----------------------------------------------------------------------------
 # the run: built once, with all loop state in one place
-
-def accumulation_steps(cfg: Config, world: World) -> int:
-    # Derive, then assert: one optimizer step sees global_batch_size sequences,
-    # split into micro-batches of batch_size on each of the world.size processes.
-    if cfg.global_batch_size % (cfg.batch_size * world.size):
-        raise GlobalBatchIndivisible(cfg.global_batch_size, cfg.batch_size, world.size)
-    return cfg.global_batch_size // (cfg.batch_size * world.size)
-
 
 @dataclass
 class Run:
@@ -145,9 +137,7 @@ class Run:
     loader: ShardedTokenLoader
     eval_sets: dict           # split -> (tokens, fixed window starts)
     model_args: dict
-    accum: int                # micro-steps per optimizer step on each rank
     autocast: object          # torch.autocast for bfloat16/float16, a null context for float32
-    tokens_per_step: int
     # loop state
     step: int = 0
     best_val_loss: float = math.inf
@@ -155,9 +145,13 @@ class Run:
     resumed_from: Optional[str] = None
     saved_step: Optional[int] = None  # the step last.pt holds, for messages
 
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.global_batch_size * self.cfg.block_size
+
     def state_dict(self) -> dict:
         """Every rank calls it: the RNG states are gathered from all ranks."""
-        rng = checkpoint.gather_rng_states(self.world.size, self.world.group)
+        rng = gather_rng_states(self.world)
         model, optimizer = parallel.full_state(self.raw_model, self.optimizer)  # FSDP: on rank 0 only
         return dict(format=checkpoint.FORMAT, model=model, optimizer=optimizer, scaler=self.scaler.state_dict(),
                     step=self.step, tokens_seen=self.step * self.tokens_per_step,
@@ -166,13 +160,15 @@ class Run:
                     loader=self.loader.state_dict(), rng=rng, world_size=self.world.size)
 
     def load_state_dict(self, ckpt: dict):
-        parallel.load_full_state(self.raw_model, self.optimizer, ckpt["model"], ckpt["optimizer"])
+        """Every rank calls it; only rank 0's ckpt holds the tensors (the others' are None)."""
+        parallel.load_full_state(self.raw_model, self.optimizer, self.world, ckpt["model"] or {},
+                                 ckpt["optimizer"] or {})
         self.scaler.load_state_dict(ckpt["scaler"])
         self.loader.load_state_dict(ckpt["loader"])
         self.step = self.saved_step = ckpt["step"]
         self.best_val_loss, self.resumed_from = ckpt["best_val_loss"], ckpt["path"]
         if ckpt["world_size"] == self.world.size:
-            checkpoint.restore_rng_states(ckpt["rng"], self.world.rank)
+            restore_rng_states(ckpt["rng"], self.world)
         elif self.world.is_master:
             print(f"note: {self.resumed_from} was written by {ckpt['world_size']} processes; the "
                   f"data order continues exactly, dropout streams are derived afresh", flush=True)
@@ -181,144 +177,151 @@ class Run:
         if not parallel.all_finite(self.raw_model, self.world):  # the same answer on every rank
             raise Diverged(f"the weights hold NaN or inf at step {self.step}", self.cfg.learning_rate,
                            self.saved_step)
-        checkpoint.save_on_rank0(self.state_dict(), Path(self.cfg.out_dir), best, self.world)
+        state, failure = self.state_dict(), None
+        if self.world.is_master:
+            try:
+                checkpoint.save(state, Path(self.cfg.out_dir), best)
+            except (OSError, RuntimeError) as e:  # a full disk surfaces as either
+                failure = first_line(e)
+        # also the barrier that keeps the other ranks from running ahead of the write
+        if any_rank(failure is not None, self.world):
+            raise CheckpointNotWritten(self.step, failure or "see rank 0's log")
         self.saved_step = self.step
 
 
-def build_run(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, accum: int,
-              meta: dict) -> Run:
+def build_run(cfg: Config, world: World, meta: dict) -> Run:
     """Model (sharded for FSDP), optimizer, scaler, loader and eval windows; then the checkpoint,
     if one continues this run, or GPT-2's weights; then compile and DDP, which wrap the model."""
-    data_dir = dataset_dir(cfg)
     # Same seed on every rank for the init, so weights do not depend on the world size.
     torch.manual_seed(cfg.seed)
     if pretrained.is_pretrained(cfg.init_from):  # the shape is GPT-2's; rank 0 reads its config
-        model_args = checkpoint.on_rank0(lambda: pretrained.model_args(cfg.init_from, cfg, meta), world)
+        model_args = on_rank0(lambda: pretrained.model_args(cfg.init_from, cfg, meta), world)
     else:
         model_args = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, bias=cfg.bias,
                           block_size=cfg.block_size, vocab_size=meta["vocab_size"], dropout=cfg.dropout,
                           pad_vocab_to=cfg.pad_vocab_to)
-    raw_model = GPT(GPTConfig(**model_args)).to(device)
+    raw_model = GPT(GPTConfig(**model_args)).to(world.device)
     parallel.set_activation_checkpointing(raw_model, cfg.activation_checkpointing)
     strategy = cfg.strategy if world.size > 1 else "ddp"  # one process: nothing to shard
-    parallel.shard(raw_model, strategy, world, device, dtype, cfg.fsdp_reshard)  # the optimizer sees the shards
+    parallel.shard(raw_model, strategy, world, cfg.fsdp_reshard)  # the optimizer sees the shards
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
-                                               (cfg.beta1, cfg.beta2), device.type)
-    scaler = parallel.make_scaler(device, dtype, strategy)
-    splits = {split: Tokens(shards, meta["vocab_size"]) for split, shards in split_shards(data_dir, meta).items()}
-    loader = ShardedTokenLoader(splits["train"], cfg.block_size, cfg.batch_size, cfg.global_batch_size,
-                                world.rank, world.size, cfg.seed, device)
+                                               (cfg.beta1, cfg.beta2), world.device.type)
+    splits = {split: Tokens(shards, meta["vocab_size"])
+              for split, shards in split_shards(dataset_dir(cfg), meta).items()}
     n_eval = cfg.eval_iters * cfg.global_batch_size  # not per rank: the same windows for any launch
-    eval_sets = {split: (tokens, eval_starts(tokens, cfg.block_size, n_eval))
-                 for split, tokens in splits.items()}
+    run = Run(cfg=cfg, world=world, raw_model=raw_model, model=raw_model, optimizer=optimizer,
+              scaler=parallel.make_scaler(world.device, world.dtype, strategy), model_args=model_args,
+              loader=ShardedTokenLoader(splits["train"], cfg.block_size, cfg.batch_size, cfg.global_batch_size,
+                                        world.rank, world.size, cfg.seed, world.device),
+              eval_sets={split: (tokens, eval_starts(tokens, cfg.block_size, n_eval))
+                         for split, tokens in splits.items()},
+              autocast=(nullcontext() if world.dtype == torch.float32
+                        else torch.autocast(world.device.type, dtype=world.dtype)))
     # Each rank gets its own dropout stream, derived from the one seed.
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
-    autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
-    run = Run(cfg, world, raw_model, raw_model, optimizer, scaler, loader, eval_sets, model_args, accum,
-              autocast, tokens_per_step=cfg.global_batch_size * cfg.block_size)
-    ckpt = checkpoint.load_on_rank0(cfg, model_args, world)
+    # rank 0 reads and checks the file (other hosts need no copy); the others get its run state
+    ckpt = on_rank0(lambda: checkpoint.load_for_resume(cfg, model_args), world, ("model", "optimizer", "rng"))
     if ckpt is not None:
         run.load_state_dict(ckpt)
         del ckpt
     elif pretrained.is_pretrained(cfg.init_from):
-        weights = checkpoint.on_rank0(lambda: pretrained.load_state(cfg.init_from, raw_model), world)
-        parallel.load_full_state(raw_model, optimizer, weights)
-    run.model = parallel.wrap(torch.compile(raw_model) if cfg.compile else raw_model, raw_model, world, device)
+        weights = on_rank0(lambda: {"model": pretrained.load_state(cfg.init_from, raw_model)}, world, ("model",))
+        parallel.load_full_state(raw_model, optimizer, world, weights["model"] or {})
+    run.model = parallel.wrap(torch.compile(raw_model) if cfg.compile else raw_model, raw_model, world)
     return run
 
 
 # -----------------------------------------------------------------------------
 # the loop
 
-def train(cfg: Config, world: World, device: torch.device, dtype: torch.dtype, backend: str,
-          accum: int, dataset: Dataset, lock: checkpoint.OutDirLock) -> dict:
-    checkpoint.prepare_out_dir(Path(cfg.out_dir), world, lock)
-    meta = dataset.ready(world)
-    run = build_run(cfg, world, device, dtype, accum, meta)
-    start_step, raw_model = run.step, run.raw_model
-    mfu = ((lambda sequences, seconds: raw_model.estimate_mfu(sequences, seconds, cfg.peak_flops or None))
-           if device.type == "cuda" else None)
-    log = Logger(cfg, run.step if run.resumed_from else None, world.is_master, run.tokens_per_step, mfu)
+def start_log(run: Run, meta: dict) -> Logger:
+    """Rank 0's log (a silent one elsewhere), the run's files beside the checkpoints, a summary."""
+    cfg, world, raw_model = run.cfg, run.world, run.raw_model
+    on_gpu = world.device.type == "cuda"
+    log = Logger(cfg, run.step if run.resumed_from else None, world.is_master, run.tokens_per_step,
+                 (lambda sequences, seconds: raw_model.estimate_mfu(sequences, seconds, cfg.peak_flops or None))
+                 if on_gpu else None)
     log.write_run_files(cfg, meta, dict(
         torch=torch.__version__, python=sys.version.split()[0], world_size=world.size,
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-        backend=backend, dtype=str(dtype).removeprefix("torch."), accumulation_steps=accum,
+        device=torch.cuda.get_device_name(world.device) if on_gpu else world.device.type,
+        backend=world.backend, dtype=str(world.dtype).removeprefix("torch."), accumulation_steps=world.accum,
         tokens_per_step=run.tokens_per_step, model=run.model_args))
     log.say(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | tokens per optimizer step: "
             f"{run.tokens_per_step:,} = {cfg.global_batch_size} sequences x {cfg.block_size} tokens "
-            f"({cfg.batch_size} per micro-batch x {world.size} processes x {accum} accumulation steps)")
+            f"({cfg.batch_size} per micro-batch x {world.size} processes x {world.accum} accumulation steps)")
     if run.resumed_from:
         log.say(f"resuming from {run.resumed_from} at step {run.step}")
     elif pretrained.is_pretrained(cfg.init_from):
         log.say(f"weights from {cfg.init_from}: {run.model_args['n_layer']} layers, {run.model_args['n_head']} "
                 f"heads, {run.model_args['n_embd']} wide, positions cropped to {cfg.block_size}")
+    return log
 
-    stopped = 0  # the signal that stopped the run
-    with StopSignal() as stop, collective_failures_explained(world, cfg.dist_timeout,
-                                                             lambda: f"step {run.step}"):
+
+def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
+    """Both splits' loss; then a checkpoint when one is due (never for the step a resume began at)."""
+    losses = {split: evaluate(run, *run.eval_sets[split]) for split in run.eval_sets}
+    run.val_loss = losses["val"]
+    if not math.isfinite(run.val_loss):
+        raise Diverged(f"the validation loss is {run.val_loss} at step {run.step}", run.cfg.learning_rate,
+                       run.saved_step)
+    improved = run.val_loss < run.best_val_loss
+    run.best_val_loss = min(run.best_val_loss, run.val_loss)
+    log.log({"step": run.step, "train_eval_loss": losses["train"], "val_loss": run.val_loss,
+             "tokens_seen": run.step * run.tokens_per_step},
+            f"step {run.step}: train loss {losses['train']:.4f}, val loss {run.val_loss:.4f}")
+    if run.step > start_step and (run.cfg.always_save_checkpoint or improved or at_end):
+        run.save(best=improved)
+    log.restart_clock(run.step)
+
+
+def train(cfg: Config, world: World, dataset: Dataset, lock: checkpoint.OutDirLock) -> dict:
+    agree_or_raise(lock.error, world)  # rank 0 cannot use out_dir (busy, unwritable): every rank stops
+    meta = dataset.ready(world)
+    run = build_run(cfg, world, meta)
+    log = start_log(run, meta)
+    start_step, stopped = run.step, 0  # stopped: the signal that stopped the run
+    with StopSignal() as stop, collective_failures_explained(world, cfg.dist_timeout, lambda: f"step {run.step}"):
         while True:
             lr = get_lr(run.step, cfg)
             for group in run.optimizer.param_groups:
                 group["lr"] = lr
             at_end = run.step >= cfg.max_iters
-            if (run.step % cfg.eval_interval == 0 or at_end) and not (
-                    run.step == start_step and run.resumed_from):
-                losses = {s: evaluate(run.model, *run.eval_sets[s], cfg, world, device, run.autocast)
-                          for s in run.eval_sets}
-                run.val_loss = losses["val"]
-                if not math.isfinite(run.val_loss):
-                    raise Diverged(f"the validation loss is {run.val_loss} at step {run.step}",
-                                   cfg.learning_rate, run.saved_step)
-                improved = run.val_loss < run.best_val_loss
-                run.best_val_loss = min(run.best_val_loss, run.val_loss)
-                log.log({"step": run.step, "train_eval_loss": losses["train"], "val_loss": run.val_loss,
-                         "tokens_seen": run.step * run.tokens_per_step},
-                        f"step {run.step}: train loss {losses['train']:.4f}, val loss {run.val_loss:.4f}")
-                if run.step > start_step and (cfg.always_save_checkpoint or improved or at_end):
-                    run.save(best=improved)
-                log.restart_clock(run.step)
+            if (run.step % cfg.eval_interval == 0 or at_end) and not (run.step == start_step and run.resumed_from):
+                eval_and_save(run, log, at_end, start_step)
             if at_end:
                 break
 
             step_loss, grad_norm = optimizer_step(run)  # micro-steps, clip, step
+            run.step += 1
 
             if run.step % cfg.log_interval == 0 or run.step == cfg.max_iters:
-                loss = mean_over_ranks(step_loss, world)
+                # one all-reduce: the loss over ranks, and any rank's stop signal or bad token id
+                loss, signum, bad_tokens = log_step(step_loss, stop.received, run.loader.tokens.bad, world)
+                if bad_tokens:
+                    raise ConfigError(bad_tokens)
                 if not math.isfinite(loss):
                     raise Diverged(f"the training loss is {loss} at step {run.step}", cfg.learning_rate,
                                    run.saved_step)
                 log.train_step(run.step, loss, lr, None if grad_norm is None else grad_norm.item(),
-                               cfg.batch_size * accum)
+                               cfg.batch_size * world.accum)
+                if signum and run.step < cfg.max_iters:  # the last step still evaluates and saves
+                    run.save(best=False)
+                    stopped = signum
+                    log.say(f"stopped by {signal.Signals(stopped).name} at step {run.step}; {cfg.out_dir}/last.pt "
+                            f"holds it: relaunch with resume=auto to continue")
+                    break
             log.advance(run.step)
-            # one all-reduce: a stop signal, or a token id past the vocabulary, on any rank
-            signum, bad_tokens = agree_max([stop.received, run.loader.tokens.bad is not None], world)
-            if bad_tokens:
-                raise ConfigError(first_error(run.loader.tokens.bad, world))
-            # the last step still evaluates; a signal then changes nothing
-            if run.step < cfg.max_iters and (stopped := signum):
-                run.save(best=False)
-                log.say(f"stopped by {signal.Signals(stopped).name} at step {run.step}; {cfg.out_dir}/last.pt "
-                        f"holds it: relaunch with resume=auto to continue")
-                break
-
     log.close()
-    return {"step": run.step, "val_loss": run.val_loss, "best_val_loss": run.best_val_loss,
-            "stopped": stopped}
+    return {"step": run.step, "val_loss": run.val_loss, "best_val_loss": run.best_val_loss, "stopped": stopped}
 
 
 def main(cfg: Config) -> dict:
     """Find this process's place, check everything it can alone, then train inside the group."""
-    world = find_world()
-    device = pick_device(cfg.device, world)
-    dtype = pick_dtype(cfg.dtype, device)
-    backend = pick_backend(cfg.backend, device)
+    world = setup(cfg)  # ranks, device, dtype, backend, accumulation: checked before any group
     dataset = Dataset(cfg)
-    accum = accumulation_steps(cfg, world)
-    use_device(device, dtype, world)
     # rank 0 locks out_dir before the group forms (a second run into it stops at the first agreement)
-    with checkpoint.OutDirLock(cfg.out_dir, world) as lock, \
-            process_group(world, device, backend, cfg.dist_timeout):
-        return train(cfg, world, device, dtype, backend, accum, dataset, lock)
+    with checkpoint.OutDirLock(cfg.out_dir, world) as lock, process_group(world, cfg.dist_timeout):
+        return train(cfg, world, dataset, lock)
 
 
 def cli(argv=None):
@@ -331,15 +334,8 @@ def cli(argv=None):
         print(f"{__doc__}\n--debug shows the traceback of an error.\n\nConfig names and their defaults "
               f"(README.md explains each):\n{defaults}")
         return
-    debug = "--debug" in args
-    args = [a for a in args if a != "--debug"]
-    try:
-        result = main(resolve(strip_local_rank(args)))
-    except (ConfigError, RunError) as e:
-        if debug:
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2 if isinstance(e, ConfigError) else 1)
+    with reported(debug="--debug" in args):
+        result = main(resolve(strip_local_rank([a for a in args if a != "--debug"])))
     if result["stopped"]:  # like any process ended by the signal, but only after saving
         sys.exit(128 + result["stopped"])
 

@@ -10,15 +10,14 @@ train.py's own entry point, so there is no second copy of the training code.
 import os
 import signal
 import sys
-import traceback
 
 import torch
 import torch.multiprocessing as mp
 
 import train
 from config import resolve
-from errors import ConfigError
-from launch import free_port
+from errors import ConfigError, reported
+from world import free_port
 
 
 def worker(rank: int, nproc: int, args: list[str]):
@@ -32,18 +31,13 @@ def main(argv=None):
     nproc = torch.cuda.device_count() or 2
     nproc_args = [a for a in args if a.startswith("--nproc=")]
     args = [a for a in args if not a.startswith("--nproc=")]
-    try:
+    with reported(debug="--debug" in args):
         if nproc_args:
             text = nproc_args[-1].split("=", 1)[1]
             if not text.isdigit() or int(text) < 1:
                 raise ConfigError(f"--nproc must be a positive integer, got '{text}'")
             nproc = int(text)
         resolve([a for a in args if a != "--debug"])  # a bad config fails here once, not in N children
-    except ConfigError as e:
-        if "--debug" in args:
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     context = mp.spawn(worker, args=(nproc, args), nprocs=nproc, join=False)

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import tempfile
 import urllib.request
 import zipfile
-from contextlib import contextmanager
 from pathlib import Path
 
 from data.files import atomic_write_bytes, check_sha256, pip_download, sha256_bytes
@@ -34,22 +32,19 @@ KNOWN_CORPORA = {
 
 # ----------------------------------------------------------------------------- prepare scripts
 
-def prepare_parser(doc: str) -> argparse.ArgumentParser:
+def prepare_parser(doc: str, input_help: str = "a local UTF-8 text file to use instead of Shakespeare"
+                   ) -> argparse.ArgumentParser:
     """The options every prepare script takes; a script may add its own."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--input", help="a local UTF-8 text file to use instead of Shakespeare")
+    parser.add_argument("--input", help=input_help)
     parser.add_argument("--out_dir", help="where to write the dataset (default: this script's folder)")
     return parser
 
 
-@contextmanager
 def errors_exit_2():
     """For a prepare script's __main__: bad input ends in one line and exit status 2."""
-    try:
-        yield
-    except (OSError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from errors import reported
+    return reported(also=(OSError, ValueError, RuntimeError))
 
 
 # ----------------------------------------------------------------------------- corpus

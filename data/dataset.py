@@ -26,7 +26,8 @@ from data.files import atomic_write, write_temp
 DATASET_FORMAT = 1
 HEADER_INTS = 256  # an llm.c shard header: 256 int32, of which the first three are used
 SHARD_FORMATS = {"uint16": (20240520, 1), "uint32": (20240801, 7)}  # dtype -> (magic, version)
-GPT2_VOCAB_SIZE = 50257
+GPT2_VOCAB_SIZE = 50257  # GPT-2 BPE: 50,000 merges, 256 bytes and <|endoftext|>
+GPT2_EOT = 50256         # <|endoftext|>, the document separator
 
 
 @dataclass(frozen=True)

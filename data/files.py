@@ -50,6 +50,14 @@ def atomic_write_bytes(path, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
 
 
+def remove_stale_temporaries(folder: Path) -> list:
+    """Delete the temporary files (.NAME.tmp) a killed writer left; they never replaced a real file."""
+    stale = sorted(Path(folder).glob(".*.tmp"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 def pip_download(args: list, dest) -> Path:
     """`pip download --no-deps ARGS -d DEST` through this interpreter; return the one file fetched."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",

@@ -25,20 +25,19 @@ from typing import Callable, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from data.dataset import DATASET_FORMAT, GPT2_VOCAB_SIZE, write_shard
+from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_VOCAB_SIZE, write_shard
+from data.corpora import prepare_parser
+from data.files import remove_stale_temporaries
 from data.files import atomic_write_bytes
 
-EOT = 50256  # GPT-2's <|endoftext|>
 PROGRESS = ".progress.json"
 
 
 def shard_arguments(doc: str, repo_id: str) -> argparse.ArgumentParser:
     """The options of every prepare script that writes shards; a script adds its own."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser = prepare_parser(doc, "local .parquet/.jsonl/.txt files (a glob) instead of the hub")
     parser.add_argument("--repo", default=repo_id, help="the dataset repo on the Hugging Face hub")
     parser.add_argument("--revision", default="main", help="a branch, tag or commit of the repo")
-    parser.add_argument("--input", help="local .parquet/.jsonl/.txt files (a glob) instead of the hub")
-    parser.add_argument("--out_dir", help="where to write the shards (default: this script's folder)")
     parser.add_argument("--shard_tokens", type=int, default=10**8, help="tokens per shard")
     parser.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: cores)")
     return parser
@@ -126,7 +125,7 @@ def _start_worker():
 
 def _encode(item):
     index, text = item
-    return index, np.array([EOT] + _encoder.encode_ordinary(text), dtype=np.uint16)
+    return index, np.array([GPT2_EOT] + _encoder.encode_ordinary(text), dtype=np.uint16)
 
 
 # ----------------------------------------------------------------------------- writing shards
@@ -192,8 +191,7 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
         raise ValueError(f"--shard_tokens ({shard_tokens}) and --workers ({workers}) must be positive")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob(".*.tmp"):  # a shard cut short when a previous run was killed
-        stale.unlink()
+    remove_stale_temporaries(out_dir)  # a shard cut short when a previous run was killed
     settings = {**settings, "files": source.names, "shard_tokens": shard_tokens, "prefix": prefix}
     if (out_dir / "meta.json").is_file() and not (out_dir / PROGRESS).is_file():
         return _already_prepared(out_dir, settings)

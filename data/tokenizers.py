@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from data.dataset import GPT2_EOT, GPT2_VOCAB_SIZE
 from data.files import atomic_write_bytes, check_sha256, pip_download, sha256_bytes
 
 GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # = r50k_base
@@ -42,7 +43,7 @@ def _gpt2_from_bpe(data: bytes):
     from tiktoken_ext.openai_public import r50k_pat_str
     ranks = _ranks(data)
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+                             special_tokens={"<|endoftext|>": GPT2_EOT}, explicit_n_vocab=GPT2_VOCAB_SIZE)
 
 
 def _gpt2_bpe_from_whisper() -> bytes:
@@ -88,7 +89,7 @@ def gpt2_encoding(bpe_file=None, verbose: bool = True):
             data = _gpt2_bpe_from_whisper()
             atomic_write_bytes(cache, data)
             enc, how = _gpt2_from_bpe(data), f"{WHISPER_PACKAGE} sdist via pip download (cached in {cache})"
-    if enc.encode("hello world") != [31373, 995] or enc.n_vocab != 50257:
+    if enc.encode("hello world") != [31373, 995] or enc.n_vocab != GPT2_VOCAB_SIZE:
         raise RuntimeError(f"the GPT-2 encoding from {how} does not behave like GPT-2's")
     if verbose:
         print(f"gpt2 tokenizer: {how}", file=sys.stderr)  # a diagnostic, not sample text
@@ -163,7 +164,7 @@ def write_gpt2_tokenizer_files(folder, model_max_length: int = 1024):
             i = min(range(len(parts) - 1), key=lambda j: ranks.get(parts[j] + parts[j + 1], 1 << 30))
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         merges.append(f"{text(parts[0])} {text(parts[1])}")
-    vocab = {**{text(token): rank for token, rank in ranks.items()}, "<|endoftext|>": 50256}
+    vocab = {**{text(token): rank for token, rank in ranks.items()}, "<|endoftext|>": GPT2_EOT}
     folder = Path(folder)
     atomic_write_bytes(folder / "vocab.json", json.dumps(vocab, ensure_ascii=False).encode())
     atomic_write_bytes(folder / "merges.txt", ("#version: 0.2\n" + "\n".join(merges) + "\n").encode())

@@ -21,8 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import checkpoint  # noqa: E402
 import pretrained  # noqa: E402
-import sample  # noqa: E402
+from errors import ConfigError, reported  # noqa: E402
 
 
 def main(argv=None):
@@ -34,19 +35,20 @@ def main(argv=None):
     args = p.parse_args(argv)
     out_dir, to = Path(args.out_dir), Path(args.to)
     if not out_dir.is_dir():
-        sample.fail(f"out_dir {out_dir} does not exist: pass the folder train.py wrote with --out_dir")
+        raise ConfigError(f"out_dir {out_dir} does not exist: pass the folder train.py wrote with --out_dir")
     if to.resolve() == out_dir.resolve():
-        sample.fail(f"--to={to} is the run's own folder: give another folder, its config.json would clash")
+        raise ConfigError(f"--to={to} is the run's own folder: give another folder, its config.json would clash")
     if args.checkpoint == "last" and not (out_dir / "last.pt").is_file():
-        sample.fail(f"no last.pt in {out_dir}: use --checkpoint=best, or train first")
-    model, meta, path, step = sample.load_model(out_dir, "cpu", prefer=f"{args.checkpoint}.pt")
+        raise ConfigError(f"no last.pt in {out_dir}: use --checkpoint=best, or train first")
+    model, meta, path, step = checkpoint.load_model(out_dir, "cpu", prefer=args.checkpoint)
     try:
         pretrained.export(model, to, gpt2_tokenizer=meta["tokenizer"] == "gpt2")
     except OSError as e:
-        sample.fail(f"cannot write {to}: {e.strerror or e}")
+        raise ConfigError(f"cannot write {to}: {e.strerror or e}") from None
     files = ", ".join(sorted(f.name for f in to.iterdir() if not f.name.startswith(".")))
     print(f"{path} (step {step}) -> {to}/ ({files})")
 
 
 if __name__ == "__main__":
-    main()
+    with reported():
+        main()

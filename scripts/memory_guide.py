@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data.dataset import GPT2_VOCAB_SIZE  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from parallel import state_bytes_per_rank  # noqa: E402
 
@@ -34,7 +35,7 @@ def n_params(n_layer, n_head, n_embd) -> tuple:
     """(all parameters, one block's) of a GPT-2 shape, counted from the model itself on the meta device."""
     import torch
     with torch.device("meta"):
-        model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=T, vocab_size=50257,
+        model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=T, vocab_size=GPT2_VOCAB_SIZE,
                               pad_vocab_to=64))
     return (sum(p.numel() for p in model.parameters()),
             sum(p.numel() for p in model.transformer.h[0].parameters()))

@@ -14,10 +14,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def fail(message: str):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+from errors import ConfigError, reported  # noqa: E402
 
 
 def read_run(out_dir: Path) -> dict:
@@ -25,7 +24,7 @@ def read_run(out_dir: Path) -> dict:
     (a resumed run may log a step again)."""
     path = out_dir / "metrics.jsonl"
     if not path.is_file():
-        fail(f"{path} does not exist: give the out_dir of a training run")
+        raise ConfigError(f"{path} does not exist: give the out_dir of a training run")
     train, val, tokens_per_step = {}, {}, None
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -33,7 +32,7 @@ def read_run(out_dir: Path) -> dict:
         try:
             row = json.loads(line)
         except ValueError:
-            fail(f"{path}:{n} is not JSON: {line[:60]!r}")
+            raise ConfigError(f"{path}:{n} is not JSON: {line[:60]!r}") from None
         if row.get("step") and row.get("tokens_seen"):
             tokens_per_step = row["tokens_seen"] / row["step"]
         if "loss" in row:
@@ -41,7 +40,7 @@ def read_run(out_dir: Path) -> dict:
         if "val_loss" in row:
             val[row["step"]] = row["val_loss"]
     if not train and not val:
-        fail(f"{path} holds no train or val loss yet")
+        raise ConfigError(f"{path} holds no train or val loss yet")
     world = None
     config = out_dir / "config.json"
     if config.is_file():
@@ -90,7 +89,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     labels = args.labels.split(",") if args.labels else []
     if labels and len(labels) != len(args.out_dirs):
-        fail(f"--labels has {len(labels)} names for {len(args.out_dirs)} folders")
+        raise ConfigError(f"--labels has {len(labels)} names for {len(args.out_dirs)} folders")
     runs = {}
     for i, folder in enumerate(args.out_dirs):
         r = read_run(Path(folder))
@@ -98,11 +97,12 @@ def main(argv=None):
         runs[label] = r
     out = Path(args.out)
     if out.suffix.lower() != ".png":
-        fail(f"--out={out}: give a .png file name")
+        raise ConfigError(f"--out={out}: give a .png file name")
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(runs, out)
     print(f"{len(runs)} run{'s' if len(runs) > 1 else ''} -> {out}")
 
 
 if __name__ == "__main__":
-    main()
+    with reported():
+        main()

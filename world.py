@@ -4,14 +4,12 @@ Ranks come from the launcher's environment, in this order: torchrun or hand-set 
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), SLURM's inside an srun step
 (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), else a single process. train_spawn.py sets the
 torchrun variables for its children, and the legacy --local_rank=N argument is turned into
-LOCAL_RANK.
+LOCAL_RANK. setup() is the one start-up that train.py and bench.py share.
 
-The rule that governs start-up: every problem a rank can find by itself (a config typo, a
-broken dataset, a dtype the device cannot run) is found before the process group forms, on
-every rank alike, so each rank fails at once instead of leaving its peers waiting out
-dist_timeout. Whatever only one rank can know after that (rank 0's checkpoint, one host's
-data preparation, a SIGTERM, a failed save) is agreed on by all ranks (any_rank) before
-anyone acts on it, for the same reason.
+Every problem a rank can find by itself (a config typo, a dtype the device cannot run, a
+global batch the world cannot split) is found in setup(), before the process group forms, on
+every rank alike: each rank fails at once instead of leaving its peers waiting out
+dist_timeout. What only some ranks can know is agreed on afterwards (collectives.py).
 """
 
 import gc
@@ -28,9 +26,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from errors import CollectiveFailed, ConfigError, GroupNotFormed, RunError
+from config import CHOICES, Config
+from errors import CollectiveFailed, ConfigError, GlobalBatchIndivisible, GroupNotFormed, RunError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in CHOICES["dtype"] if name != "auto"}
 
 
 @dataclass
@@ -40,53 +39,14 @@ class World:
     size: int = 1
     local_size: int = 1
     group: object = None  # a gloo group for small CPU messages (the default group unless NCCL)
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    backend: str = "gloo"
+    accum: int = 1        # micro-steps per optimizer step on each rank
 
     @property
     def is_master(self) -> bool:
         return self.rank == 0
-
-
-def any_rank(flag: bool, world: World) -> bool:
-    """True on every rank when `flag` is True on any: one tiny all-reduce over the gloo group.
-
-    Every rank must call it, so it is also a barrier. It exists for decisions only some ranks
-    can make (rank 0 failed to save, one host's data is bad, a SIGTERM reached one process):
-    a rank that acted alone would leave the others blocked in their next collective until
-    dist_timeout, and then report a lost peer instead of the real problem.
-    """
-    return agree_max([flag], world)[0] > 0
-
-
-def mean_over_ranks(value: torch.Tensor, world: World) -> float:
-    if world.size > 1:  # called at log time only: one small all-reduce per log line
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= world.size
-    return value.item()
-
-
-def agree_or_raise(error, world: World, elsewhere: str, share: bool = False):
-    """Raise ConfigError on every rank if any rank has an error; the others say `elsewhere`, or
-    with share=True the first rank's own message (one more collective, on failure only)."""
-    if any_rank(error is not None, world):
-        raise ConfigError(first_error(error, world) if share else error or elsewhere)
-
-
-def agree_max(values: list, world: World) -> list:
-    """Each value's largest over all ranks (integers): one all-reduce; every rank must call it."""
-    if world.size == 1:
-        return list(values)
-    votes = torch.tensor([int(v) for v in values])
-    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=world.group)
-    return votes.tolist()
-
-
-def first_error(error, world: World) -> str:
-    """The lowest rank's message, on every rank, once the ranks agreed that one has an error."""
-    if world.size == 1:
-        return error
-    errors = [None] * world.size
-    dist.all_gather_object(errors, error, group=world.group)
-    return next(e for e in errors if e is not None)
 
 
 # -----------------------------------------------------------------------------
@@ -225,17 +185,36 @@ def pick_backend(name: str, device: torch.device) -> str:
     return backend
 
 
-def use_device(device: torch.device, dtype: torch.dtype, world: World):
-    """Make `device` this process's own: its GPU, or its share of the host's CPU cores."""
-    if device.type == "cpu":  # ranks on one host share its cores
+def use_device(world: World):
+    """Make world.device this process's own: its GPU, or its share of the host's CPU cores."""
+    if world.device.type == "cpu":  # ranks on one host share its cores
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         torch.set_num_threads(max(1, cores // world.local_size))
-    elif device.type == "cuda":
-        torch.cuda.set_device(device)
+    elif world.device.type == "cuda":
+        torch.cuda.set_device(world.device)
         # A mixed-precision run may do what float32 matmuls are left in TF32 on tensor cores;
         # a float32 run asked for float32 and keeps it.
-        torch.backends.cuda.matmul.allow_tf32 = dtype != torch.float32
-        torch.backends.cudnn.allow_tf32 = dtype != torch.float32
+        torch.backends.cuda.matmul.allow_tf32 = world.dtype != torch.float32
+        torch.backends.cudnn.allow_tf32 = world.dtype != torch.float32
+
+
+def accumulation_steps(cfg: Config, world_size: int) -> int:
+    # Derive, then assert: one optimizer step sees global_batch_size sequences,
+    # split into micro-batches of batch_size on each of the world_size processes.
+    if cfg.global_batch_size % (cfg.batch_size * world_size):
+        raise GlobalBatchIndivisible(cfg.global_batch_size, cfg.batch_size, world_size)
+    return cfg.global_batch_size // (cfg.batch_size * world_size)
+
+
+def setup(cfg: Config) -> World:
+    """Ranks, device, dtype, backend and accumulation steps, all checked before any group forms."""
+    world = find_world()
+    world.device = pick_device(cfg.device, world)
+    world.dtype = pick_dtype(cfg.dtype, world.device)
+    world.backend = pick_backend(cfg.backend, world.device)
+    world.accum = accumulation_steps(cfg, world.size)
+    use_device(world)
+    return world
 
 
 # -----------------------------------------------------------------------------
@@ -243,8 +222,8 @@ def use_device(device: torch.device, dtype: torch.dtype, world: World):
 
 class StopSignal:
     """SIGTERM (a scheduler's preemption, torchrun passing it on) or SIGINT (Ctrl-C) asks the run
-    to stop at the next step boundary, with a checkpoint; all ranks agree on it, so they stop
-    together. Another Ctrl-C changes nothing: to end at once, without saving, kill -9."""
+    to stop with a checkpoint at the next log step (every log_interval steps all ranks agree on
+    it, so they stop together). Another Ctrl-C changes nothing: to end at once, kill -9."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -284,7 +263,7 @@ def collective_failures_explained(world: World, dist_timeout: float, where):
 # -----------------------------------------------------------------------------
 # the process group
 
-def _join(world: World, backend: str, dist_timeout: float):
+def _join(world: World, dist_timeout: float):
     """init_process_group, with a message that says what to check when peers never come."""
     address = (f"{os.environ.get('MASTER_ADDR', '(MASTER_ADDR unset)')}:"
                f"{os.environ.get('MASTER_PORT', '(MASTER_PORT unset)')}")
@@ -295,37 +274,37 @@ def _join(world: World, backend: str, dist_timeout: float):
         # addresses linger: a new rank could read a dead peer's and fail. A prefix per attempt
         # keeps each attempt's keys apart.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
+        dist.init_process_group(world.backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
                                 rank=world.rank, world_size=world.size, timeout=timeout)
     except (RuntimeError, ValueError) as e:  # torch's DistError family is RuntimeError
         raise GroupNotFormed(world.rank, world.size, address, dist_timeout, e) from None
     # Small CPU messages (stop flags, RNG states, checkpoint bytes) go through gloo, also under NCCL.
-    world.group = dist.new_group(backend="gloo") if backend != "gloo" else None
+    world.group = dist.new_group(backend="gloo") if world.backend != "gloo" else None
 
 
-def _check_group(world: World, device: torch.device, backend: str):
+def _check_group(world: World):
     """One small all-reduce with a known answer, so a broken fabric fails now, not at step 500."""
-    probe = torch.tensor([world.rank + 1.0], device=device)
+    probe = torch.tensor([world.rank + 1.0], device=world.device)
     dist.all_reduce(probe)
     expected = world.size * (world.size + 1) / 2
     if probe.item() != expected:
-        raise RunError(f"the startup all-reduce over {backend} gave {probe.item()}, not "
+        raise RunError(f"the startup all-reduce over {world.backend} gave {probe.item()}, not "
                        f"{expected}: the connection between ranks is broken")
 
 
 @contextmanager
-def process_group(world: World, device: torch.device, backend: str, dist_timeout: float):
+def process_group(world: World, dist_timeout: float):
     """The process group for this launch, checked, and always torn down (a single process
     forms none). Every rank prints one line saying where it stands."""
     if world.size > 1:
-        _join(world, backend, dist_timeout)
+        _join(world, dist_timeout)
     print(f"host {socket.gethostname()} | rank {world.rank} | local rank {world.local_rank} | "
-          f"world size {world.size} | device {device} | backend {backend if world.size > 1 else 'none'}",
+          f"world size {world.size} | device {world.device} | backend {world.backend if world.size > 1 else 'none'}",
           flush=True)
     try:
         with collective_failures_explained(world, dist_timeout, lambda: "before the first step"):
             if world.size > 1:
-                _check_group(world, device, backend)
+                _check_group(world)
             yield
     finally:
         if dist.is_initialized():

@@ -1,0 +1,123 @@
+"""Rank-to-rank agreement and small transfers: every function here is a collective that every
+rank must call, and each is a no-op on a single process.
+
+Why agreement at all: a problem only some ranks can see (rank 0's checkpoint, one host's data,
+a SIGTERM that reached one process, a failed save) must not be acted on by those ranks alone.
+A rank that raised by itself would leave its peers blocked in their next collective until
+dist_timeout, and they would then report a lost peer instead of the real problem. So such
+decisions go through agree_max/any_rank first, and every rank raises the same message.
+
+Small messages (flags, strings, the run state of a checkpoint) travel as JSON bytes over the
+world's gloo group, never as pickle; model and optimizer tensors go through PyTorch's own
+state-dict API (parallel.py).
+"""
+
+import json
+
+import torch
+import torch.distributed as dist
+
+from errors import ConfigError
+
+
+def agree_max(values: list, world) -> list:
+    """Each value's largest over all ranks (integers), in one all-reduce."""
+    if world.size == 1:
+        return list(values)
+    votes = torch.tensor([int(v) for v in values])
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=world.group)
+    return votes.tolist()
+
+
+def any_rank(flag: bool, world) -> bool:
+    """True on every rank when `flag` is True on any (also a barrier)."""
+    return agree_max([flag], world)[0] > 0
+
+
+def broadcast_json(obj, world, src: int = 0):
+    """`obj` (plain values: dicts, lists, strings, numbers) from rank `src` on every rank."""
+    if world.size == 1:
+        return obj
+    data = json.dumps(obj).encode() if world.rank == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=world.group)
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buffer, src=src, group=world.group)
+    return json.loads(buffer.numpy().tobytes())
+
+
+def first_error(error, world) -> str:
+    """The lowest failing rank's message on every rank (call it once all agreed one failed)."""
+    src = -agree_max([-world.rank if error is not None else -world.size], world)[0]
+    return broadcast_json(error, world, src)
+
+
+def agree_or_raise(error, world, elsewhere: str = None):
+    """Raise ConfigError on every rank if any rank has an error: its own message where it has
+    one, else `elsewhere`, or (elsewhere=None) the lowest failing rank's message."""
+    if any_rank(error is not None, world):
+        raise ConfigError((error or elsewhere) if elsewhere else first_error(error, world))
+
+
+def on_rank0(read, world, rank0_only: tuple = ()):
+    """read() on rank 0 only; its result (plain values) or its ConfigError on every rank. Keys
+    of a dict result named in `rank0_only` (tensors) are None on the other ranks."""
+    result, error = None, None
+    if world.is_master:
+        try:
+            result = read()
+        except ConfigError as e:
+            error = str(e)
+    shared = result
+    if isinstance(result, dict) and rank0_only:
+        shared = {k: None if k in rank0_only else v for k, v in result.items()}
+    shared, error = broadcast_json([shared, error], world)
+    if error:
+        raise ConfigError(error)
+    return result if world.is_master else shared
+
+
+def log_step(loss: torch.Tensor, signum: int, bad_tokens, world) -> tuple:
+    """At a log step, in one all-reduce: the loss averaged over ranks, and whether any rank was
+    sent SIGTERM or SIGINT or read a token id past the vocabulary. Piggy-backing the rare events
+    on the loss costs no extra host sync per step; every rank sees the same answer at the same
+    step, so all stop together. Returns (mean loss, signal number or 0, a bad-token message or None)."""
+    signals = (15, 2)  # SIGTERM before SIGINT when both came
+    flags = [float(signum == s) for s in signals] + [float(bad_tokens is not None)]
+    votes = torch.cat([loss.detach().float().reshape(1), torch.tensor(flags, device=loss.device)])
+    if world.size > 1:
+        dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+    votes = votes.tolist()
+    stop = next((s for s, v in zip(signals, votes[1:3]) if v > 0), 0)
+    bad = first_error(bad_tokens, world) if votes[3] > 0 else None
+    return votes[0] / world.size, stop, bad
+
+
+def gather_rng_states(world) -> dict:
+    """Every rank's RNG states, stacked by rank (what a checkpoint keeps)."""
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()  # a CPU tensor, like the CPU state
+    if world.size == 1:
+        return {k: v[None] for k, v in states.items()}
+    gathered = {}
+    for key, state in states.items():
+        parts = [torch.empty_like(state) for _ in range(world.size)]
+        dist.all_gather(parts, state, group=world.group)
+        gathered[key] = torch.stack(parts)
+    return gathered
+
+
+def restore_rng_states(rng: dict, world):
+    """Set this rank's RNG states from rank 0's stacked copy (the others receive their rows)."""
+    shapes = broadcast_json({k: list(v.shape) for k, v in rng.items()} if world.is_master else None, world)
+    for key, shape in shapes.items():
+        stacked = rng[key] if world.is_master else torch.empty(shape, dtype=torch.uint8)
+        if world.size > 1:
+            dist.broadcast(stacked, src=0, group=world.group)
+        # clone: a row of the stacked states is a view at an offset, which set_rng_state misreads
+        mine = stacked[world.rank].clone()
+        if key == "cpu":
+            torch.set_rng_state(mine)
+        elif torch.cuda.is_available():
+            torch.cuda.set_rng_state(mine)
