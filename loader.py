@@ -1,23 +1,16 @@
 """Token data for training and evaluation, read through np.memmap.
 
-A split is one token file or many shards, concatenated in one coordinate: a
-window's start is its position in that concatenation, and no window crosses a
-shard end. An epoch cuts each shard into windows of block_size + 1 tokens at a
-stride of block_size, starting from an offset in [0, block_size) drawn for that
-epoch. The windows of all shards are shuffled by one permutation seeded by
-(seed, epoch), and, like torch's DistributedSampler, rank r of W takes
-positions r, r+W, r+2W, ... of that order. Each optimizer step consumes the
-next global_batch_size positions, whatever the world size and the number of
-micro-steps, so a run on 1 process with 4 accumulation steps sees exactly the
-windows a run on 4 processes with 1 step sees. The tail of an epoch too short
-for a whole optimizer step is dropped. A dataset with fewer windows than one
-optimizer step makes each epoch of several shuffled passes, so a step can
-still be full. Memory: the epoch's order, 8 bytes a window; the tokens stay on
-disk until a batch reads them.
+A split is one token file or many shards, end to end; no window crosses a shard end. An epoch
+cuts each shard into windows of block_size + 1 tokens at a stride of block_size from an offset
+drawn for that epoch, and shuffles them all by one permutation seeded by (seed, epoch). Like
+torch's DistributedSampler, rank r of W takes positions r, r+W, r+2W, ... of that order, and
+each optimizer step consumes the next global_batch_size positions, so 1 process with 4
+accumulation steps sees exactly the windows 4 processes with 1 step see. An epoch's tail too
+short for a whole step is dropped (a dataset smaller than one step makes each epoch of several
+passes). Memory: 8 bytes a window for the order; the tokens stay on disk until read.
 
-Dataset, at the end, is the run's view of its data folder: checked before the
-process group forms, and prepared inside it (by each host's local rank 0) when
-it is missing.
+Dataset, at the end, is the run's data folder: checked before the process group forms, and
+prepared inside it (by each host's local rank 0) when it is missing.
 """
 
 import importlib

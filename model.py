@@ -37,11 +37,8 @@ class GPTConfig:
 
 
 class KVCache:
-    """Keys and values of one attention layer, preallocated for block_size positions.
-
-    The buffers are allocated on first use, with the dtype and device of the first keys,
-    so the cache follows autocast and .double() without being told.
-    """
+    """Keys and values of one attention layer for block_size positions, allocated on first use
+    with the first keys' dtype and device (so it follows autocast without being told)."""
 
     def __init__(self, max_len):
         self.max_len = max_len
@@ -213,13 +210,6 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x[:, [-1], :])  # (B, 1, C)
         return self.logits(x)  # (B, 1, V)
 
-    def crop_block_size(self, block_size):
-        """Shrink the context length, e.g. to fine-tune GPT-2 weights with a smaller block."""
-        assert block_size <= self.config.block_size, \
-            f"can only shrink block_size: {block_size} > {self.config.block_size}"
-        self.config.block_size = block_size
-        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
-
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW with weight decay on matrices and embeddings only, not on biases or LayerNorms."""
         params = [p for p in self.parameters() if p.requires_grad]
@@ -236,16 +226,11 @@ class GPT(nn.Module):
                                  fused=True if use_fused else None)
 
     def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=None):
-        """Model FLOPs utilisation: achieved FLOP/s over the device's peak.
-
-        fwdbwd_per_iter is the number of block_size-long sequences one iteration processes
-        (forward and backward), dt its duration in seconds. peak_flops=None looks up the current
-        CUDA device in PEAK_FLOPS; the result is None when the peak is unknown (e.g. on CPU).
-        """
+        """Model FLOPs utilisation of fwdbwd_per_iter block_size-long sequences (forward and
+        backward) in dt seconds. peak_flops=None looks up the CUDA device in PEAK_FLOPS; None
+        when the peak is unknown (e.g. on CPU)."""
         if peak_flops is None:
-            if not torch.cuda.is_available():
-                return None
-            peak_flops = peak_flops_for(torch.cuda.get_device_name())
+            peak_flops = peak_flops_for(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
             if peak_flops is None:
                 return None
         # PaLM appendix B: 6 flops per parameter per token (2 forward, 4 backward) for the matmuls,
@@ -260,18 +245,13 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """Extend idx (B, T) by max_new_tokens sampled tokens; returns (B, T + max_new_tokens).
+        Call model.eval() first. temperature 0 is greedy; top_k keeps the k most likely tokens;
+        generator (a torch.Generator on idx's device) makes sampling reproducible.
 
-        Call model.eval() first (dropout). temperature 0 is greedy; top_k keeps the k most likely
-        tokens; generator (a torch.Generator on idx's device) makes sampling reproducible.
-
-        The prompt is run once (prefill, cropped to its last block_size tokens) and each new
-        token then costs one position of work against per-layer key/value caches. Positions
-        are absolute and learned, so a full cache cannot slide by one: when the context
-        reaches block_size, the cache is rebuilt by a prefill of the last block_size // 2
-        tokens and generation continues from there. Every token therefore sees at least
-        block_size // 2 tokens of context (all of them, if fewer exist), and the rebuilds add
-        at most one more position of work per token on average: block_size // 2 positions once
-        every block_size // 2 tokens.
+        The prompt is run once (prefill) and each new token then costs one position against
+        per-layer key/value caches. Positions are learned, so a full cache cannot slide by one:
+        at block_size it is rebuilt from the last block_size // 2 tokens, so every token sees
+        at least that much context, for at most one extra position of work per token on average.
         """
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")

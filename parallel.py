@@ -146,14 +146,3 @@ def set_activation_checkpointing(raw_model, enabled: bool):
     """Recompute each block's activations in backward instead of keeping them (any strategy)."""
     for block in raw_model.transformer.h:
         block.checkpoint_activations = enabled
-
-
-def state_bytes_per_rank(n_params: int, block_params: int, strategy: str, world_size: int,
-                         compute_bytes: int = 2, gathered: bool = True) -> int:
-    """Model state one rank holds in training: 16 bytes per parameter (the float32 weight, its
-    gradient and AdamW's two moments). FSDP holds 1/world_size of that, plus (gathered=True)
-    the block that is computing, whole: its weights in the compute dtype, float32 gradients.
-    bench.py measures the first part; scripts/memory_guide.py prints the table."""
-    if strategy == "ddp" or world_size == 1:
-        return 16 * n_params
-    return 16 * n_params // world_size + gathered * (compute_bytes + 4) * block_params

@@ -95,19 +95,16 @@ def find_world() -> World:
 
 def strip_local_rank(argv: list[str]) -> list[str]:
     """Accept torch.distributed.launch's --local-rank=N / --local_rank N and export LOCAL_RANK."""
-    rest, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        name = arg.split("=", 1)[0]
-        if name in ("--local-rank", "--local_rank"):
-            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-            if not value.isdigit():
-                raise ConfigError(f"{name} needs a number, e.g. {name}=0, got {value!r}")
-            i += 1 if "=" in arg else 2
-            os.environ.setdefault("LOCAL_RANK", value)
+    rest, args = [], iter(argv)
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        if name not in ("--local-rank", "--local_rank"):
+            rest.append(arg)
             continue
-        rest.append(arg)
-        i += 1
+        value = value if eq else next(args, "")
+        if not value.isdigit():
+            raise ConfigError(f"{name} needs a number, e.g. {name}=0, got {value!r}")
+        os.environ.setdefault("LOCAL_RANK", value)
     return rest
 
 
@@ -121,18 +118,11 @@ def free_port() -> int:
 # -----------------------------------------------------------------------------
 # device, dtype, backend
 
-def auto_device(local_rank: int = 0, world_size: int = 1) -> torch.device:
-    """cuda:LOCAL_RANK where CUDA exists, else Apple's mps for a single process, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank)
-    if world_size == 1 and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
 def pick_device(name: str, world: World) -> torch.device:
+    """auto: cuda:LOCAL_RANK where CUDA exists, else Apple's mps for a single process, else the CPU."""
     if name == "auto":
-        return auto_device(world.local_rank, world.size)
+        name = "cuda" if torch.cuda.is_available() else (
+            "mps" if world.size == 1 and torch.backends.mps.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:

@@ -6,8 +6,8 @@ Model state is what AdamW training keeps for every parameter, in float32 (the ma
 also when autocast computes in bf16): the weight (4 bytes), its gradient (4) and two moments
 (8), 16 bytes in all. DDP keeps all of it on every GPU; FSDP keeps 1/W of it, plus, while a
 block computes, that block gathered whole (its weights in the compute dtype, and its float32
-gradients until they are reduce-scattered). parallel.state_bytes_per_rank is the formula, and
-bench.py's measured state bytes per rank confirm it (tests/test_bench.py).
+gradients until they are reduce-scattered). state_bytes_per_rank is the formula, and bench.py's
+measured state bytes per rank confirm it (tests/test_bench.py).
 
 Activations are an estimate per sequence of 1024 tokens in bf16 (Korthikanti et al.'s 34·T·C
 bytes per layer with a fused attention kernel, plus the logits in bf16 and float32 for the loss);
@@ -23,12 +23,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.dataset import GPT2_VOCAB_SIZE  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from parallel import state_bytes_per_rank  # noqa: E402
 
 SIZES = {"gpt2 (124M)": (12, 12, 768), "gpt2-medium (350M)": (24, 16, 1024),
          "gpt2-large (774M)": (36, 20, 1280), "gpt2-xl (1.5B)": (48, 25, 1600)}
 T, V = 1024, 50304  # context, padded vocabulary
 GB = 1e9
+
+
+def state_bytes_per_rank(n_params: int, block_params: int, strategy: str, world_size: int,
+                         compute_bytes: int = 2, gathered: bool = True) -> int:
+    """Model state one rank holds in training: 16 bytes per parameter (the float32 weight, its
+    gradient and AdamW's two moments). FSDP holds 1/world_size of that, plus (gathered=True)
+    the block that is computing, whole: its weights in the compute dtype, float32 gradients.
+    bench.py measures the first part (tests/test_bench.py)."""
+    if strategy == "ddp" or world_size == 1:
+        return 16 * n_params
+    return 16 * n_params // world_size + gathered * (compute_bytes + 4) * block_params
 
 
 def n_params(n_layer, n_head, n_embd) -> tuple:
