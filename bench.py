@@ -289,6 +289,14 @@ def main(argv=None):
         accumulation_steps(cfg, n)  # raises where the global batch cannot be split over n
     report = Path(opts["report"])
     report.mkdir(parents=True, exist_ok=True)
+    rows = measure(strategies, nprocs, cfg_args, steps, warmup, report, flags["--profile"])
+    write_report(rows, report, steps, warmup, args)
+    return rows
+
+
+def measure(strategies: list, nprocs: list, cfg_args: list, steps: int, warmup: int, report: Path,
+            profile: bool) -> list:
+    """One torchrun of bench.py --worker per strategy and process count; their summaries."""
     synthetic = not any(a.startswith(("--dataset=", "--data_dir=")) for a in cfg_args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -304,7 +312,7 @@ def main(argv=None):
                        str(REPO / "bench.py"), "--worker", f"--result={result}", f"--steps={steps}",
                        f"--warmup={warmup}", f"--report={report}", *cfg_args, *extra]
                 cmd += [f"--synthetic_dir={tmp}"] if synthetic else []
-                cmd += ["--profile"] if flags["--profile"] else []
+                cmd += ["--profile"] if profile else []
                 print(f"--- {strategy}, {n} process{'es' if n > 1 else ''}", flush=True)
                 proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
                 if proc.returncode:
@@ -312,6 +320,10 @@ def main(argv=None):
                                       f"see its output above")
                 rows.append(summarise(strategy, n, json.loads(result.read_text())))
     add_scaling(rows)
+    return rows
+
+
+def write_report(rows: list, report: Path, steps: int, warmup: int, args: list):
     first = rows[0]["raw"]
     info = dict(torch=torch.__version__, device=first["device"], host=socket.gethostname(),
                 data=first["data"], dtype=first["dtype"], compile=first["compile"],
@@ -324,7 +336,6 @@ def main(argv=None):
     plot(rows, report / "bench.png", f"{info['device']}, {info['dtype']}, global batch "
          f"{rows[0]['global_batch_size']} x {first['config']['block_size']} tokens")
     print(table + f"report: {report}/bench.json, bench.md, bench.png", flush=True)
-    return rows
 
 
 if __name__ == "__main__":

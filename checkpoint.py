@@ -16,6 +16,7 @@ import socket
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -56,56 +57,41 @@ def save(state: dict, out_dir: Path, best: bool):
         link_or_copy(last, out_dir / "best.pt")
 
 
-class OutDirLock:
-    """Rank 0's exclusive lock on out_dir for the whole run: an fcntl lock on out_dir/run.lock,
-    which the OS drops when the process ends, however it ends, so a dead run never blocks. The
-    file names its holder (host, pid, start time). sample.py and other readers never lock.
+@contextmanager
+def locked_out_dir(out_dir, world):
+    """Rank 0's exclusive lock on out_dir for the whole run; yields the problem it found (or None).
 
-    Rank 0 takes it before the process group forms, and checks that it can write there (now,
-    not at the first checkpoint); a failure is kept in .error, which train.py raises on every
-    rank at the group's first agreement, since only rank 0 sees its out_dir."""
-
-    def __init__(self, out_dir, world):
-        self.fd, self.error = None, None
-        if not world.is_master:
-            return
-        out_dir = Path(out_dir)
+    The lock is an fcntl lock on out_dir/run.lock, which the OS drops when the process ends,
+    however it ends, so a dead run never blocks; the file names its holder (host, pid, start
+    time). Readers (sample.py) never lock. Rank 0 takes it before the process group forms and
+    checks that it can write there now, not at the first checkpoint; train.py raises the
+    problem on every rank at the group's first agreement, since only rank 0 sees its out_dir."""
+    fd, error, out_dir = None, None, Path(out_dir)
+    if world.is_master:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(out_dir / "run.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            self._take(out_dir)
-            if self.error is None:
+            fd = os.open(out_dir / "run.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                error = str(OutDirBusy(out_dir, os.read(fd, 4096).decode(errors="replace")))
+            else:
+                os.ftruncate(fd, 0)
+                os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode())
                 for path in remove_stale_temporaries(out_dir):
                     print(f"removed {path}, left by a run that was killed while writing", flush=True)
                 with tempfile.TemporaryFile(dir=out_dir):
                     pass
         except OSError as e:
-            self.error = str(OutDirUnwritable(out_dir, e))
-        if self.error and world.size == 1:
-            raise ConfigError(self.error)  # alone: say it at once
-
-    def _take(self, out_dir):
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(self.fd, 4096).decode(errors="replace")
-            self.release()
-            self.error = str(OutDirBusy(out_dir, holder))
-            return
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                      "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode())
-
-    def release(self):
-        if self.fd is not None:
-            os.close(self.fd)  # drops the lock; the file stays (unlinking it would race a new run)
-            self.fd = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.release()
+            error = str(OutDirUnwritable(out_dir, e))
+    try:
+        if error and world.size == 1:
+            raise ConfigError(error)  # alone: say it at once
+        yield error
+    finally:
+        if fd is not None:
+            os.close(fd)  # drops the lock; the file stays (unlinking it would race a new run)
 
 
 def find(cfg: Config):

@@ -109,7 +109,7 @@ def _show(value, limit: int = 80) -> str:
 
 def _unknown_name(name: str) -> ConfigError:
     close = difflib.get_close_matches(name, list(FIELD_TYPES), n=1, cutoff=0.5)
-    hint = f"did you mean '{close[0]}'?" if close else "see the table in README.md"
+    hint = f"did you mean '{close[0]}'?" if close else "see docs/config.md"
     return ConfigError(f"unknown config name {_show(name)}: {hint}")
 
 

@@ -170,45 +170,28 @@ class GPT(nn.Module):
             n_params -= self.transformer.wpe.weight.numel()
         return n_params
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, caches=None, pos=0):
+        """Logits and loss of idx (B, T), whose tokens sit at positions pos..pos+T-1: over every
+        position with targets; else the next token's logits only (B, 1, V), for generation,
+        through per-layer key/value caches when given."""
         B, T = idx.size()
-        assert T <= self.config.block_size, \
+        assert pos + T <= self.config.block_size, \
             f"Cannot forward a sequence of length {T}: block_size is only {self.config.block_size}"
-        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
-        for block in self.transformer.h:
-            x = block(x)
-        x = self.transformer.ln_f(x)  # (B, T, C)
-
-        if targets is not None:
-            logits = self.lm_head(x)  # (B, T, padded V)
-            if self.config.padded_vocab_size > self.config.vocab_size:
-                # -inf logits: the padding ids get probability 0 and a gradient of exactly 0.
-                # (Masking, not slicing: a slice's backward would write the padded gradient
-                # in a pass of its own; the mask fuses into the loss under torch.compile.)
-                padding = torch.arange(logits.size(-1), device=idx.device) >= self.config.vocab_size
-                logits = logits.masked_fill(padding, float('-inf'))
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-            logits = logits[..., :self.config.vocab_size]  # (B, T, V)
-        else:
-            # Inference needs only the next token: skip the output layer for the other positions.
-            logits = self.logits(x[:, [-1], :])  # (B, 1, V)
-            loss = None
-        return logits, loss
-
-    def logits(self, x):
-        """(B, T, C) -> (B, T, V): the output layer, without the padding rows' logits."""
-        return self.lm_head(x)[..., :self.config.vocab_size]  # (B, T, V)
-
-    def _forward_cached(self, idx, caches, pos):
-        """Logits (B, 1, V) after idx (B, T), whose tokens sit at positions pos..pos+T-1."""
-        T = idx.size(1)
         positions = torch.arange(pos, pos + T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))  # (B, T, C)
-        for block, cache in zip(self.transformer.h, caches):
-            x = block(x, cache, pos)
-        x = self.transformer.ln_f(x[:, [-1], :])  # (B, 1, C)
-        return self.logits(x)  # (B, 1, V)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, caches[i] if caches else None, pos)
+        V = self.config.vocab_size
+        if targets is None:  # the next token only: skip the output layer for the other positions
+            return self.lm_head(self.transformer.ln_f(x[:, [-1], :]))[..., :V], None  # (B, 1, V)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, padded V)
+        if self.config.padded_vocab_size > V:
+            # -inf logits: the padding ids get probability 0 and a gradient of exactly 0.
+            # (Masking, not slicing: a slice's backward would write the padded gradient
+            # in a pass of its own; the mask fuses into the loss under torch.compile.)
+            logits = logits.masked_fill(torch.arange(logits.size(-1), device=idx.device) >= V, float('-inf'))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits[..., :V], loss  # (B, T, V)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW with weight decay on matrices and embeddings only, not on biases or LayerNorms."""
@@ -264,7 +247,7 @@ class GPT(nn.Module):
         caches = [KVCache(block_size) for _ in self.transformer.h]
 
         context = idx[:, -block_size:]
-        logits = self._forward_cached(context, caches, 0)  # (B, 1, V)
+        logits = self(context, caches=caches)[0]  # (B, 1, V)
         pos = context.size(1)  # positions filled in the caches
         for step in range(max_new_tokens):
             idx_next = _sample(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
@@ -272,11 +255,11 @@ class GPT(nn.Module):
             if step == max_new_tokens - 1:
                 break  # no need to run the last token
             if pos < block_size:
-                logits = self._forward_cached(idx_next, caches, pos)
+                logits = self(idx_next, caches=caches, pos=pos)[0]
                 pos += 1
             else:  # cache full: restart it from the most recent half block (see docstring)
                 context = idx[:, -max(1, block_size // 2):]
-                logits = self._forward_cached(context, caches, 0)
+                logits = self(context, caches=caches)[0]
                 pos = context.size(1)
         return idx
 

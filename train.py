@@ -274,8 +274,8 @@ def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
     log.restart_clock(run.step)
 
 
-def train(cfg: Config, world: World, dataset: Dataset, lock: checkpoint.OutDirLock) -> dict:
-    agree_or_raise(lock.error, world)  # rank 0 cannot use out_dir (busy, unwritable): every rank stops
+def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[str]) -> dict:
+    agree_or_raise(out_dir_error, world)  # rank 0 cannot use out_dir (busy, unwritable): every rank stops
     meta = dataset.ready(world)
     run = build_run(cfg, world, meta)
     log = start_log(run, meta)
@@ -320,8 +320,8 @@ def main(cfg: Config) -> dict:
     world = setup(cfg)  # ranks, device, dtype, backend, accumulation: checked before any group
     dataset = Dataset(cfg)
     # rank 0 locks out_dir before the group forms (a second run into it stops at the first agreement)
-    with checkpoint.OutDirLock(cfg.out_dir, world) as lock, process_group(world, cfg.dist_timeout):
-        return train(cfg, world, dataset, lock)
+    with checkpoint.locked_out_dir(cfg.out_dir, world) as out_dir_error, process_group(world, cfg.dist_timeout):
+        return train(cfg, world, dataset, out_dir_error)
 
 
 def cli(argv=None):
