@@ -8,6 +8,7 @@ before it, best.pt the one with the lowest validation loss.
 """
 
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -43,6 +44,13 @@ def link_or_copy(src: Path, dst: Path):
             atomic_write(dst, lambda f: shutil.copyfileobj(source, f))
 
 
+def tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(tensor_bytes(v) for v in values)
+
+
 def save(state: dict, out_dir: Path, best: bool):
     """Write last.pt atomically (temporary file, fsync, rename); make best.pt the same bytes if best.
 
@@ -52,7 +60,14 @@ def save(state: dict, out_dir: Path, best: bool):
     last = out_dir / "last.pt"
     if last.exists():
         link_or_copy(last, out_dir / "previous.pt")
-    atomic_write(last, lambda f: torch.save(state, f))
+    try:
+        atomic_write(last, lambda f: torch.save(state, f))
+    except RuntimeError:  # torch's zip writer reports a write cut short as "unexpected pos"
+        need, free = tensor_bytes(state), shutil.disk_usage(out_dir).free
+        if free < need:
+            raise OSError(errno.ENOSPC, f"No space left on device: a checkpoint takes about "
+                                        f"{need / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free") from None
+        raise
     if best:
         link_or_copy(last, out_dir / "best.pt")
 
@@ -67,6 +82,7 @@ def locked_out_dir(out_dir, world):
     checks that it can write there now, not at the first checkpoint; train.py raises the
     problem on every rank at the group's first agreement, since only rank 0 sees its out_dir."""
     fd, error, out_dir = None, None, Path(out_dir)
+    created = world.is_master and not out_dir.exists()
     if world.is_master:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -89,6 +105,11 @@ def locked_out_dir(out_dir, world):
         if error and world.size == 1:
             raise ConfigError(error)  # alone: say it at once
         yield error
+    except BaseException:  # a run that failed before writing anything leaves no folder behind
+        if created and fd is not None and [p.name for p in out_dir.iterdir()] == ["run.lock"]:
+            (out_dir / "run.lock").unlink()
+            out_dir.rmdir()
+        raise
     finally:
         if fd is not None:
             os.close(fd)  # drops the lock; the file stays (unlinking it would race a new run)

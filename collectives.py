@@ -13,6 +13,7 @@ state-dict API (parallel.py).
 """
 
 import json
+import signal
 
 import torch
 import torch.distributed as dist
@@ -77,20 +78,21 @@ def on_rank0(read, world, rank0_only: tuple = ()):
     return result if world.is_master else shared
 
 
-def log_step(loss: torch.Tensor, signum: int, bad_tokens, world) -> tuple:
-    """At a log step, in one all-reduce: the loss averaged over ranks, and whether any rank was
-    sent SIGTERM or SIGINT or read a token id past the vocabulary. Piggy-backing the rare events
-    on the loss costs no extra host sync per step; every rank sees the same answer at the same
-    step, so all stop together. Returns (mean loss, signal number or 0, a bad-token message or None)."""
-    signals = (15, 2)  # SIGTERM before SIGINT when both came
-    flags = [float(signum == s) for s in signals] + [float(bad_tokens is not None)]
+def log_step(loss: torch.Tensor, signum: int, problems: list, world) -> tuple:
+    """At a log step, in one all-reduce: the loss averaged over ranks, whether any rank was sent
+    SIGTERM or SIGINT, and for each of `problems` (this rank's message or None) the lowest
+    failing rank's message or None. Piggy-backing these rare events on the loss costs no extra
+    host sync per step; every rank gets the same answer at the same step, so all stop together.
+    Returns (mean loss, the signal's number or 0, [message or None per problem])."""
+    signals = (signal.SIGTERM, signal.SIGINT)  # SIGTERM first when both came
+    flags = [float(signum == s) for s in signals] + [float(p is not None) for p in problems]
     votes = torch.cat([loss.detach().float().reshape(1), torch.tensor(flags, device=loss.device)])
     if world.size > 1:
         dist.all_reduce(votes, op=dist.ReduceOp.SUM)
     votes = votes.tolist()
-    stop = next((s for s, v in zip(signals, votes[1:3]) if v > 0), 0)
-    bad = first_error(bad_tokens, world) if votes[3] > 0 else None
-    return votes[0] / world.size, stop, bad
+    stop = next((int(s) for s, v in zip(signals, votes[1:3]) if v > 0), 0)
+    return votes[0] / world.size, stop, [first_error(p, world) if v > 0 else None
+                                         for p, v in zip(problems, votes[3:])]
 
 
 def gather_rng_states(world) -> dict:

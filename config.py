@@ -146,6 +146,8 @@ def parse_value(name: str, text: str):
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         value = text  # bare words are strings: --dataset=shakespeare_char
+        if float in allowed and text.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+            value = float(text)  # refused below as not finite, not as a string
     if str in allowed and not isinstance(value, str) and not (value is None and type(None) in allowed):
         value = text  # a string field takes the raw text: --out_dir=2024
     return check_type(name, value)

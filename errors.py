@@ -94,18 +94,28 @@ class CollectiveFailed(RunError):
             f"on rank 0's host: relaunch with resume=auto to continue.")
 
 
+def _kept(saved_step) -> str:
+    return (f"last.pt holds step {saved_step}, the last good one" if saved_step is not None
+            else "no checkpoint of this run was written yet")
+
+
 class Diverged(RunError):
     def __init__(self, what: str, learning_rate: float, saved_step):
-        kept = (f"last.pt holds step {saved_step}, the last good one" if saved_step is not None
-                else "no checkpoint of this run was written yet")
         super().__init__(
             f"{what}. Likely causes: a learning rate too high (learning_rate={learning_rate:g}: try "
             f"a smaller one or a longer warmup), float16 overflow (try --dtype=bfloat16), or bad "
-            f"data. Nothing was saved from this state: {kept}.")
+            f"data. Nothing was saved from this state: {_kept(saved_step)}.")
 
 
 class CheckpointNotWritten(RunError):
-    def __init__(self, step: int, failure: str):
+    def __init__(self, step: int, failure: str, saved_step):
         super().__init__(
-            f"rank 0 could not write a checkpoint at step {step} ({failure}). The previous last.pt "
-            f"is intact: free disk space or choose another out_dir, then relaunch with resume=auto.")
+            f"rank 0 could not write a checkpoint at step {step} ({failure}); {_kept(saved_step)}: free "
+            f"disk space or choose another out_dir, then relaunch with resume=auto.")
+
+
+class LogNotWritten(RunError):
+    def __init__(self, failure: str, saved_step):
+        super().__init__(
+            f"rank 0 {failure}; {_kept(saved_step)}: free disk space, then relaunch with "
+            f"resume=auto (a line cut short is dropped).")

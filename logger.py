@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from data.files import atomic_write, atomic_write_bytes
+from data.files import atomic_write_bytes
 
 
 class Logger:
@@ -18,16 +18,26 @@ class Logger:
         `estimate_mfu(sequences, seconds)`: the model's MFU for that work, or None."""
         self.enabled = enabled
         self.tokens_per_step, self.estimate_mfu = tokens_per_step, estimate_mfu
-        self.bar = self.wandb = None
+        self.bar = self.wandb = self.failure = None  # failure: why metrics.jsonl could not be written
         self.restart_clock(resumed_step or 0)
         if not enabled:
             return
         self.metrics = Path(cfg.out_dir) / "metrics.jsonl"
         if self.metrics.exists():  # a fresh run starts a new log; a resumed one drops the
             # steps after its checkpoint, which it is about to run again
-            kept = [line for line in self.metrics.read_text().splitlines() if resumed_step is not None
-                    and line and json.loads(line)["step"] <= resumed_step]
-            atomic_write(self.metrics, lambda f: f.write("".join(l + "\n" for l in kept).encode()))
+            kept, torn = [], 0
+            for line in self.metrics.read_text(errors="replace").splitlines():
+                try:
+                    step = json.loads(line)["step"]
+                except (ValueError, TypeError, KeyError):  # a line cut short by a full disk or a kill
+                    torn += 1
+                    continue
+                if resumed_step is not None and step <= resumed_step:
+                    kept.append(line)
+            if torn:
+                print(f"warning: dropped {torn} unreadable line{'s' * (torn > 1)} of {self.metrics} "
+                      f"(a write cut short)", flush=True)
+            self._write(self.metrics, "".join(line + "\n" for line in kept))
         if sys.stdout.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=cfg.max_iters, initial=resumed_step or 0, dynamic_ncols=True)
@@ -42,8 +52,22 @@ class Logger:
         if not self.enabled:
             return
         for name, obj in (("config.json", {"config": cfg.to_dict(), "run": run_info}), ("meta.json", meta)):
-            atomic_write_bytes(Path(cfg.out_dir) / name, (json.dumps(obj, indent=2) + "\n").encode())
+            self._write(Path(cfg.out_dir) / name, json.dumps(obj, indent=2) + "\n")
         self.say(json.dumps(cfg.to_dict(), indent=1))
+
+    def _write(self, path: Path, text: str, append: bool = False):
+        """Write (atomically) or append; a failure (a full disk) is kept in self.failure, which
+        train.py agrees on with the other ranks and ends the run with. Nothing is written after it."""
+        if self.failure is not None:
+            return
+        try:
+            if append:
+                with open(path, "a") as f:
+                    f.write(text)
+            else:
+                atomic_write_bytes(path, text.encode())
+        except OSError as e:
+            self.failure = f"could not write {path} ({e.strerror or e})"
 
     def say(self, text: str):
         if self.bar:
@@ -54,8 +78,7 @@ class Logger:
     def log(self, record: dict, text: str):
         if not self.enabled:
             return
-        with open(self.metrics, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._write(self.metrics, json.dumps(record) + "\n", append=True)
         if self.wandb:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         self.say(text)

@@ -35,6 +35,13 @@ class GPTConfig:
     def padded_vocab_size(self) -> int:
         return -(-self.vocab_size // self.pad_vocab_to) * self.pad_vocab_to
 
+    @property
+    def n_params(self) -> int:
+        """Parameters of this shape, padding rows included, counted without building the model."""
+        C, bias = self.n_embd, int(self.bias)
+        block = 12 * C * C + 2 * C + 11 * C * bias  # 4 matrices (C x 3C, C x C, C x 4C, 4C x C), 2 LayerNorms
+        return self.n_layer * block + (self.padded_vocab_size + self.block_size) * C + C * (1 + bias)
+
 
 class KVCache:
     """Keys and values of one attention layer for block_size positions, allocated on first use
@@ -193,7 +200,7 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits[..., :V], loss  # (B, T, V)
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, fused=True):
         """AdamW with weight decay on matrices and embeddings only, not on biases or LayerNorms."""
         params = [p for p in self.parameters() if p.requires_grad]
         decay_params = [p for p in params if p.dim() >= 2]
@@ -204,7 +211,7 @@ class GPT(nn.Module):
         ]
         # The fused kernel does the whole update in one launch (on CPU too, about 5x faster here).
         fused_available = 'fused' in inspect.signature(torch.optim.AdamW).parameters
-        use_fused = fused_available and device_type in ('cuda', 'cpu', 'mps')
+        use_fused = fused and fused_available and device_type in ('cuda', 'cpu', 'mps')
         return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas,
                                  fused=True if use_fused else None)
 

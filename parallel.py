@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from world import World
+from world import World, available_memory
 
 def is_fsdp(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
@@ -132,6 +132,23 @@ def load_full_state(raw_model, optimizer, world: World, model_sd: dict, optim_sd
                         "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                                          for g in optim_sd["param_groups"]]}
         set_optimizer_state_dict(raw_model, optimizer, optim_sd, options=options)
+
+
+def memory_problem(model_cfg, cfg, world: World, strategy: str):
+    """A message when training this model clearly cannot fit this process's memory, else None.
+    A lower bound, so only the impossible is refused: weights, gradients and AdamW moments
+    (16 bytes a parameter, sharded under FSDP) plus the float32 logits of one micro-batch."""
+    n = model_cfg.n_params
+    state = 16 * n // (world.size if strategy == "fsdp" else 1)
+    logits = 4 * cfg.batch_size * cfg.block_size * model_cfg.padded_vocab_size
+    available = available_memory(world.device, world.local_size)
+    if state + logits > available:
+        return (f"this model needs at least {(state + logits) / 1e9:,.1f} GB per process ({n / 1e6:,.0f}M "
+                f"parameters: {state / 1e9:,.1f} GB of weights, gradients and AdamW moments, "
+                f"{logits / 1e9:,.1f} GB of logits for batch_size={cfg.batch_size}), but {world.device} has "
+                f"{available / 1e9:,.1f} GB available: choose a smaller model or batch_size, or more processes "
+                f"with --strategy=fsdp")
+    return None
 
 
 def make_scaler(device: torch.device, dtype: torch.dtype, strategy: str):

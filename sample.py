@@ -28,7 +28,9 @@ import checkpoint
 import pretrained
 from data.tokenizers import tokenizer_from_meta
 from errors import ConfigError, reported
-from world import World, pick_device
+from world import World, available_memory, pick_device
+
+CHUNK_BYTES = 2**31  # fixed, not the free memory: the same seed gives the same text on any machine
 
 
 def parse_args(argv=None):
@@ -60,6 +62,16 @@ def read_prompt(start: str) -> str:
     return start
 
 
+def batches(num_samples: int, config, device) -> list:
+    """Sample counts per generate call: all at once up to CHUNK_BYTES of key/value caches and
+    logits (float32), then in chunks of that size, so a huge request runs in bounded memory."""
+    per_sample = 8 * config.n_layer * config.block_size * config.n_embd + 12 * config.vocab_size
+    if per_sample > available_memory(device):
+        raise ConfigError(f"one sample needs {per_sample / 1e9:.1f} GB, more than {device} has available")
+    chunk = max(1, CHUNK_BYTES // per_sample)
+    return [min(chunk, num_samples - i) for i in range(0, num_samples, chunk)]
+
+
 def check(args):
     for name, ok, rule in (("max_new_tokens", args.max_new_tokens > 0, "positive"),
                            ("num_samples", args.num_samples > 0, "positive"),
@@ -87,12 +99,13 @@ def main(argv=None):
     print(f"# {path} (step {step}), seed {args.seed}", file=sys.stderr)
 
     generator = torch.Generator(device).manual_seed(args.seed)
-    idx = torch.tensor([prompt] * args.num_samples, dtype=torch.long, device=device)  # (N, T)
-    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k or None, generator=generator)  # (N, T + new): one batch
-    for row in out.tolist():
-        print(decode(row))
-        print("---------------")
+    for n in batches(args.num_samples, model.config, device):
+        idx = torch.tensor([prompt] * n, dtype=torch.long, device=device)  # (n, T)
+        out = model.generate(idx, args.max_new_tokens, temperature=args.temperature,
+                             top_k=args.top_k or None, generator=generator)  # (n, T + new): one batch
+        for row in out.tolist():
+            print(decode(row))
+            print("---------------", flush=True)
 
 
 if __name__ == "__main__":

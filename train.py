@@ -38,7 +38,7 @@ import pretrained
 from collectives import agree_or_raise, any_rank, first_error, gather_rng_states, log_step, on_rank0, restore_rng_states
 from config import Config, resolve
 from data.dataset import split_shards
-from errors import CheckpointNotWritten, ConfigError, Diverged, first_line, reported
+from errors import CheckpointNotWritten, ConfigError, Diverged, LogNotWritten, first_line, reported
 from loader import Dataset, ShardedTokenLoader, Tokens, dataset_dir, eval_starts, windows_to_batch
 from logger import Logger
 from model import GPT, GPTConfig
@@ -163,10 +163,14 @@ class Run:
         """Every rank calls it; only rank 0's ckpt holds the tensors (the others' are None)."""
         parallel.load_full_state(self.raw_model, self.optimizer, self.world, ckpt["model"] or {},
                                  ckpt["optimizer"] or {})
-        self.scaler.load_state_dict(ckpt["scaler"])
-        self.loader.load_state_dict(ckpt["loader"])
         self.step = self.saved_step = ckpt["step"]
         self.best_val_loss, self.resumed_from = ckpt["best_val_loss"], ckpt["path"]
+        if ckpt["scaler"] or not self.scaler.is_enabled():  # a disabled scaler ignores a saved one
+            self.scaler.load_state_dict(ckpt["scaler"])
+        elif self.world.is_master:  # the dtype changed to float16 on this resume
+            print(f"note: {self.resumed_from} was not trained in float16: the loss scale starts afresh",
+                  flush=True)
+        self.loader.load_state_dict(ckpt["loader"])
         if ckpt["world_size"] == self.world.size:
             restore_rng_states(ckpt["rng"], self.world)
         elif self.world.is_master:
@@ -185,7 +189,7 @@ class Run:
                 failure = first_line(e)
         # also the barrier that keeps the other ranks from running ahead of the write
         if any_rank(failure is not None, self.world):
-            raise CheckpointNotWritten(self.step, failure or "see rank 0's log")
+            raise CheckpointNotWritten(self.step, failure or "see rank 0's log", self.saved_step)
         self.saved_step = self.step
 
 
@@ -200,12 +204,16 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
         model_args = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, bias=cfg.bias,
                           block_size=cfg.block_size, vocab_size=meta["vocab_size"], dropout=cfg.dropout,
                           pad_vocab_to=cfg.pad_vocab_to)
+    strategy = cfg.strategy if world.size > 1 else "ddp"  # one process: nothing to shard
+    # an impossible size is refused before anything is allocated (hosts may differ: agree)
+    agree_or_raise(parallel.memory_problem(GPTConfig(**model_args), cfg, world, strategy), world)
     raw_model = GPT(GPTConfig(**model_args)).to(world.device)
     parallel.set_activation_checkpointing(raw_model, cfg.activation_checkpointing)
-    strategy = cfg.strategy if world.size > 1 else "ddp"  # one process: nothing to shard
     parallel.shard(raw_model, strategy, world, cfg.fsdp_reshard)  # the optimizer sees the shards
-    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
-                                               (cfg.beta1, cfg.beta2), world.device.type)
+    # (fused AdamW cannot take FSDP's float16 scaler: its inf flag has shape [1], not [])
+    fp16_fsdp = strategy == "fsdp" and world.dtype == torch.float16
+    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                               world.device.type, fused=not fp16_fsdp)
     splits = {split: Tokens(shards, meta["vocab_size"])
               for split, shards in split_shards(dataset_dir(cfg), meta).items()}
     n_eval = cfg.eval_iters * cfg.global_batch_size  # not per rank: the same windows for any launch
@@ -257,6 +265,12 @@ def start_log(run: Run, meta: dict) -> Logger:
     return log
 
 
+def check_log(log: Logger, run: Run):
+    """Rank 0 could not write its log files (a full disk): every rank stops, with one message."""
+    if any_rank(log.failure is not None, run.world):
+        raise LogNotWritten(first_error(log.failure, run.world), run.saved_step)
+
+
 def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
     """Both splits' loss; then a checkpoint when one is due (never for the step a resume began at)."""
     losses = {split: evaluate(run, *run.eval_sets[split]) for split in run.eval_sets}
@@ -279,6 +293,7 @@ def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[s
     meta = dataset.ready(world)
     run = build_run(cfg, world, meta)
     log = start_log(run, meta)
+    check_log(log, run)
     start_step, stopped = run.step, 0  # stopped: the signal that stopped the run
     with StopSignal() as stop, collective_failures_explained(world, cfg.dist_timeout, lambda: f"step {run.step}"):
         while True:
@@ -295,10 +310,13 @@ def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[s
             run.step += 1
 
             if run.step % cfg.log_interval == 0 or run.step == cfg.max_iters:
-                # one all-reduce: the loss over ranks, and any rank's stop signal or bad token id
-                loss, signum, bad_tokens = log_step(step_loss, stop.received, run.loader.tokens.bad, world)
+                # one all-reduce: the loss over ranks, any rank's stop signal, bad token id or log failure
+                loss, signum, (bad_tokens, log_failure) = log_step(
+                    step_loss, stop.received, [run.loader.tokens.bad, log.failure], world)
                 if bad_tokens:
                     raise ConfigError(bad_tokens)
+                if log_failure:
+                    raise LogNotWritten(log_failure, run.saved_step)
                 if not math.isfinite(loss):
                     raise Diverged(f"the training loss is {loss} at step {run.step}", cfg.learning_rate,
                                    run.saved_step)
@@ -311,6 +329,7 @@ def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[s
                             f"holds it: relaunch with resume=auto to continue")
                     break
             log.advance(run.step)
+    check_log(log, run)  # the last lines were written after the last log step's check
     log.close()
     return {"step": run.step, "val_loss": run.val_loss, "best_val_loss": run.best_val_loss, "stopped": stopped}
 

@@ -188,6 +188,18 @@ def use_device(world: World):
         torch.backends.cudnn.allow_tf32 = world.dtype != torch.float32
 
 
+def available_memory(device: torch.device, local_size: int = 1) -> int:
+    """Bytes this process may still allocate: the GPU's free memory, or its share of the host's."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024 // local_size
+    except (OSError, StopIteration, ValueError):  # not Linux: no estimate, nothing refused
+        return 2**62
+
+
 def accumulation_steps(cfg: Config, world_size: int) -> int:
     # Derive, then assert: one optimizer step sees global_batch_size sequences,
     # split into micro-batches of batch_size on each of the world_size processes.

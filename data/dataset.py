@@ -112,7 +112,9 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
 
 
 def _prepare_again(data_dir) -> str:
-    return f"prepare the dataset again (python data/<dataset>/prepare.py --out_dir {data_dir})"
+    script = Path(__file__).parent / Path(data_dir).name / "prepare.py"  # data/NAME/prepare.py, if there
+    command = f"python data/{script.parent.name}/prepare.py" if script.is_file() else "the dataset's prepare.py"
+    return f"prepare the dataset again ({command} --out_dir {data_dir})"
 
 
 def is_loose_shard(path: Path) -> bool:
