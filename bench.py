@@ -27,6 +27,7 @@ state each rank holds (parameters, gradients, optimizer moments); MFU on GPUs wi
 peak; scaling efficiency = tokens/s on N processes / (N x tokens/s on one), same global batch.
 """
 
+import dataclasses
 import json
 import os
 import platform
@@ -48,6 +49,8 @@ from data.dataset import GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
 from errors import ConfigError, reported
 from collectives import any_rank
 from loader import Dataset
+from model import GPTConfig
+from parallel import memory_problem
 
 from train import build_run, optimizer_step
 from world import World, accumulation_steps, process_group, setup
@@ -277,16 +280,24 @@ def main(argv=None):
             cfg_args.append(arg)
     steps, warmup = parse_list("steps", opts["steps"], int)[0], parse_list("warmup", opts["warmup"], int, minimum=0)[0]
     if flags["--worker"]:
-        synthetic = opts["synthetic_dir"] or (None if any(a.startswith(("--dataset=", "--data_dir="))
-                                                          for a in cfg_args) else tempfile.gettempdir())
-        return worker(cfg_args, steps, warmup, Path(opts["result"] or "bench-result.json"), synthetic,
+        synthetic_dir = opts["synthetic_dir"] or (tempfile.gettempdir() if synthetic(cfg_args) else None)
+        return worker(cfg_args, steps, warmup, Path(opts["result"] or "bench-result.json"), synthetic_dir,
                       opts["report"] if flags["--profile"] else None)
 
     nprocs = parse_list("nproc", opts["nproc"], int)
     strategies = parse_list("strategies", opts["strategies"], str, CHOICES["strategy"])
-    cfg = resolve(cfg_args)  # a bad config fails here, once
+    cfg = resolve(cfg_args)  # a bad config, device, dataset or size fails here, once, not in every worker
+    world = setup(cfg)
+    meta = None if synthetic(cfg_args) else Dataset(cfg).meta
+    shape = GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
+                      bias=cfg.bias, vocab_size=(meta or {"vocab_size": GPT2_VOCAB})["vocab_size"],
+                      pad_vocab_to=cfg.pad_vocab_to)
     for n in nprocs:
         accumulation_steps(cfg, n)  # raises where the global batch cannot be split over n
+        for strategy in strategies:
+            problem = memory_problem(shape, cfg, dataclasses.replace(world, size=n, local_size=n), strategy)
+            if problem:
+                raise ConfigError(problem)
     report = Path(opts["report"])
     report.mkdir(parents=True, exist_ok=True)
     rows = measure(strategies, nprocs, cfg_args, steps, warmup, report, flags["--profile"])
@@ -294,10 +305,13 @@ def main(argv=None):
     return rows
 
 
+def synthetic(cfg_args: list) -> bool:
+    return not any(a.startswith(("--dataset=", "--data_dir=")) for a in cfg_args)
+
+
 def measure(strategies: list, nprocs: list, cfg_args: list, steps: int, warmup: int, report: Path,
             profile: bool) -> list:
     """One torchrun of bench.py --worker per strategy and process count; their summaries."""
-    synthetic = not any(a.startswith(("--dataset=", "--data_dir=")) for a in cfg_args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for strategy in strategies:
@@ -311,7 +325,7 @@ def measure(strategies: list, nprocs: list, cfg_args: list, steps: int, warmup: 
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                        str(REPO / "bench.py"), "--worker", f"--result={result}", f"--steps={steps}",
                        f"--warmup={warmup}", f"--report={report}", *cfg_args, *extra]
-                cmd += [f"--synthetic_dir={tmp}"] if synthetic else []
+                cmd += [f"--synthetic_dir={tmp}"] if synthetic(cfg_args) else []
                 cmd += ["--profile"] if profile else []
                 print(f"--- {strategy}, {n} process{'es' if n > 1 else ''}", flush=True)
                 proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -339,5 +353,5 @@ def write_report(rows: list, report: Path, steps: int, warmup: int, args: list):
 
 
 if __name__ == "__main__":
-    with reported(debug="--debug" in sys.argv):
+    with reported(debug="--debug" in sys.argv, also=(OSError,)):  # OSError: the report cannot be written
         main([a for a in sys.argv[1:] if a != "--debug"])

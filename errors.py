@@ -30,14 +30,16 @@ def first_line(e: BaseException, limit: int = 200) -> str:
 @contextmanager
 def reported(debug: bool = False, also: tuple = ()):
     """Every entry point runs inside this: a ConfigError (or an exception of a class in `also`)
-    exits 2, a RunError 1, each as one line starting with "error:"; the traceback only if debug."""
+    exits 2, a RunError 1, Ctrl-C 130, each as one line starting with "error:"; the traceback
+    only if debug. (train.py itself turns Ctrl-C into a stop with a checkpoint once it trains.)"""
     try:
         yield
-    except (ConfigError, RunError, *also) as e:
+    except (ConfigError, RunError, KeyboardInterrupt, *also) as e:
         if debug:
             traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1 if isinstance(e, RunError) else 2)
+        print(f"error: {'interrupted (Ctrl-C)' if isinstance(e, KeyboardInterrupt) else e}", file=sys.stderr,
+              flush=True)
+        sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1 if isinstance(e, RunError) else 2)
 
 
 class GlobalBatchIndivisible(ConfigError):

@@ -62,10 +62,10 @@ def read_prompt(start: str) -> str:
     return start
 
 
-def batches(num_samples: int, config, device) -> list:
-    """Sample counts per generate call: all at once up to CHUNK_BYTES of key/value caches and
-    logits (float32), then in chunks of that size, so a huge request runs in bounded memory."""
-    per_sample = 8 * config.n_layer * config.block_size * config.n_embd + 12 * config.vocab_size
+def batches(num_samples: int, length: int, config, device) -> list:
+    """Sample counts per generate call: all at once up to CHUNK_BYTES of key/value caches, logits
+    (float32) and `length` tokens, then in chunks of that size: a huge request runs in bounded memory."""
+    per_sample = 8 * config.n_layer * config.block_size * config.n_embd + 12 * config.vocab_size + 8 * length
     if per_sample > available_memory(device):
         raise ConfigError(f"one sample needs {per_sample / 1e9:.1f} GB, more than {device} has available")
     chunk = max(1, CHUNK_BYTES // per_sample)
@@ -99,7 +99,7 @@ def main(argv=None):
     print(f"# {path} (step {step}), seed {args.seed}", file=sys.stderr)
 
     generator = torch.Generator(device).manual_seed(args.seed)
-    for n in batches(args.num_samples, model.config, device):
+    for n in batches(args.num_samples, len(prompt) + args.max_new_tokens, model.config, device):
         idx = torch.tensor([prompt] * n, dtype=torch.long, device=device)  # (n, T)
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k or None, generator=generator)  # (n, T + new): one batch

@@ -104,5 +104,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    with reported():
+    with reported(also=(OSError,)):  # OSError: the picture cannot be written
         main()
