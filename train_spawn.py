@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 import train
 from config import resolve
 from errors import ConfigError, reported
-from world import free_port
+from world import accumulation_steps, free_port, setup, strip_local_rank
 
 
 def worker(rank: int, nproc: int, args: list[str]):
@@ -37,7 +37,10 @@ def main(argv=None):
             if not text.isdigit() or int(text) < 1:
                 raise ConfigError(f"--nproc must be a positive integer, got '{text}'")
             nproc = int(text)
-        resolve([a for a in args if a != "--debug"])  # a bad config fails here once, not in N children
+        # a bad config or device fails here once, not in N children
+        cfg = resolve(strip_local_rank([a for a in args if a != "--debug"]))
+        setup(cfg)
+        accumulation_steps(cfg, nproc)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     context = mp.spawn(worker, args=(nproc, args), nprocs=nproc, join=False)
@@ -49,7 +52,9 @@ def main(argv=None):
         while not context.join():
             pass
     except mp.ProcessExitedException as e:
-        print(f"error: rank {e.error_index} exited with status {e.exit_code}", file=sys.stderr)
+        # 1 and 2: the rank said why; 128 + SIGTERM/SIGINT: it stopped with a checkpoint
+        if e.exit_code not in (1, 2, 128 + signal.SIGTERM, 128 + signal.SIGINT):
+            print(f"error: rank {e.error_index} exited with status {e.exit_code}", file=sys.stderr)
         sys.exit(e.exit_code or 1)
 
 

@@ -1,0 +1,243 @@
+"""A bad day: a full disk, a kill at any byte, a dtype change, an impossible size, Ctrl-C. Each is
+survived, or ends in one `error:` line (the same on every rank) and the documented exit status;
+never a traceback."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+import sample
+import train
+from config import resolve
+from errors import ConfigError
+from harness import REPO, child_env, run_world, tiny_args
+from model import GPTConfig
+
+
+def train_cli(capsys, data, out, **overrides) -> tuple:
+    """train.py's entry point in this process: (exit status, stdout, stderr)."""
+    try:
+        train.cli(tiny_args(data, out, **{"resume": "auto", **overrides}))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    printed = capsys.readouterr()
+    return code, printed.out, printed.err
+
+
+def one_error(err: str) -> str:
+    """The one distinct `error:` line of a run (every rank prints it), with no traceback."""
+    assert "Traceback" not in err, err
+    lines = {line for line in err.splitlines() if line.startswith("error:")}
+    assert len(lines) == 1, err
+    return lines.pop()
+
+
+@contextmanager
+def small_disk(folder: Path, size: str):
+    """A real tmpfs of `size` at folder (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def fill(disk: Path) -> Path:
+    """Take every free byte of `disk`; the file, to delete to free them again."""
+    filler = disk / "filler"
+    try:
+        with open(filler, "wb", buffering=0) as f:
+            while True:
+                f.write(b"\0" * 4096)
+    except OSError:
+        pass
+    return filler
+
+
+@pytest.mark.slow
+def test_a_log_or_checkpoint_cut_at_any_byte_never_blocks_a_resume(char_data, tmp_path, capsys):
+    """metrics.jsonl cut anywhere: the torn last line is dropped with one warning and the run
+    goes on; last.pt cut anywhere: previous.pt takes its place, saying so."""
+    trained = tmp_path / "trained"
+    assert train_cli(capsys, char_data, trained, max_iters=10, eval_interval=5)[0] == 0
+    rng = random.Random(0)
+    for name in ("metrics.jsonl", "last.pt"):
+        size = (trained / name).stat().st_size
+        for offset in rng.sample(range(1, size - 1), 3):
+            out = tmp_path / f"{name}-{offset}"
+            shutil.copytree(trained, out)
+            with open(out / name, "r+b") as f:
+                f.truncate(offset)
+            code, printed, err = train_cli(capsys, char_data, out, max_iters=12, eval_interval=5)
+            assert code == 0, err
+            if name == "last.pt":
+                assert "trying" in err and "previous.pt" in err and "resuming from" in printed
+            elif not (out / name).read_bytes()[:offset].endswith(b"\n"):
+                assert "warning: dropped 1 unreadable line" in printed
+            records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            assert records[-1]["step"] == 12
+
+
+@pytest.mark.slow
+def test_a_full_disk_ends_the_run_with_no_space_left_and_earlier_checkpoints_usable(char_data, tmp_path, capsys):
+    with small_disk(tmp_path / "tiny", "64k") as disk:  # too small for the first checkpoint
+        code, _, err = train_cli(capsys, char_data, disk / "out", max_iters=5, eval_interval=5)
+        message = one_error(err)
+        assert code == 1 and "No space left on device" in message, err
+        assert "no checkpoint of this run was written yet" in message
+    with small_disk(tmp_path / "disk", "2m") as disk:
+        out = disk / "out"
+        assert train_cli(capsys, char_data, out, max_iters=5, eval_interval=5)[0] == 0
+        filler = fill(disk)  # the log, config.json or the next checkpoint: whichever comes first
+        code, _, err = train_cli(capsys, char_data, out, max_iters=10, eval_interval=5)
+        message = one_error(err)
+        assert code == 1 and "No space left on device" in message and "last.pt holds step 5" in message, err
+        assert torch.load(out / "last.pt", weights_only=True)["step"] == 5
+        filler.unlink()
+        assert train_cli(capsys, char_data, out, max_iters=10, eval_interval=5)[0] == 0
+        assert torch.load(out / "last.pt", weights_only=True)["step"] == 10
+
+
+@pytest.mark.slow
+def test_the_dtype_may_change_across_a_resume(char_data, tmp_path, capsys):
+    """float32 -> float16 -> bfloat16 -> float16 -> float32: each resume continues; entering
+    float16 starts a fresh loss scale and says so once."""
+    step = 0
+    for before, dtype in ((None, "float32"), ("float32", "float16"), ("float16", "bfloat16"),
+                          ("bfloat16", "float16"), ("float16", "float32")):
+        step += 3
+        code, printed, err = train_cli(capsys, char_data, tmp_path, max_iters=step, eval_interval=3, dtype=dtype)
+        assert code == 0, err
+        assert ("loss scale starts afresh" in printed) == (dtype == "float16" and before not in (None, "float16"))
+        assert torch.load(tmp_path / "last.pt", weights_only=True)["step"] == step
+
+
+@pytest.mark.slow
+def test_the_dtype_may_change_across_a_resume_under_fsdp(char_data, tmp_path):
+    for step, dtype in ((3, "float32"), (6, "float16"), (9, "bfloat16")):
+        results = run_world(2, tiny_args(char_data, tmp_path / "out", max_iters=step, eval_interval=3,
+                                         dtype=dtype, strategy="fsdp", resume="auto"), tmp_path / f"r{step}")
+        assert [r["step"] for r in results] == [step, step]
+
+
+def test_an_impossible_model_is_refused_before_anything_is_allocated(char_data, tmp_path, capsys):
+    start = time.time()
+    code, _, err = train_cli(capsys, char_data, tmp_path / "out", n_layer=10**6, n_embd=10**6, n_head=1)
+    assert code == 2 and "needs at least" in one_error(err) and "GB" in err
+    assert time.time() - start < 30 and not (tmp_path / "out").exists()  # and no out_dir left behind
+
+
+def test_a_huge_sample_request_runs_in_bounded_batches(monkeypatch):
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65)
+    per_sample = 8 * 2 * 16 * 32 + 12 * 65 + 8 * 20
+    assert sample.batches(5, 20, config, torch.device("cpu")) == [5]  # small: one generate call
+    monkeypatch.setattr(sample, "CHUNK_BYTES", 2 * per_sample)
+    assert sample.batches(5, 20, config, torch.device("cpu")) == [2, 2, 1]
+    monkeypatch.setattr(sample, "available_memory", lambda device: per_sample - 1)
+    with pytest.raises(ConfigError, match="one sample needs"):
+        sample.batches(1, 20, config, torch.device("cpu"))
+
+
+def test_a_non_finite_number_is_named_as_such():
+    for text in ("nan", "inf", "-Infinity"):
+        with pytest.raises(ConfigError, match="learning_rate' must be a finite number"):
+            resolve([f"--learning_rate={text}"])
+
+
+def test_the_prepare_hint_names_the_real_script(tmp_path):
+    from data.dataset import load_meta
+    for name, hint in (("shakespeare_char", "python data/shakespeare_char/prepare.py --out_dir"),
+                       ("elsewhere", "the dataset's prepare.py --out_dir")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "meta.json").write_text("{")
+        with pytest.raises(ValueError, match=hint):
+            load_meta(tmp_path / name)
+
+
+# --- every entry point, the same classes of bad input ---------------------------------------
+
+@pytest.fixture(scope="module")
+def full_disk(tmp_path_factory):
+    with small_disk(tmp_path_factory.mktemp("full"), "64k") as disk:
+        fill(disk)
+        yield disk
+
+
+@pytest.fixture(scope="module")
+def a_run(char_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    subprocess.run([sys.executable, "train.py", *tiny_args(char_data, out, max_iters=2, eval_interval=2)],
+                   cwd=REPO, env=child_env(), check=True, capture_output=True)
+    return out
+
+
+HUGE = ["--n_layer=1000000", "--n_embd=1000000", "--n_head=1"]
+BAD_INPUT = {  # entry point -> {class of bad input: (arguments, exit status)}; {run}, {data}, {full}
+    "train.py": {"device": (["--device=tpu"], 2), "size": (HUGE, 2),
+                 "path": (["--resume=/nonexistent/last.pt"], 2), "disk": (["--out_dir={full}/out"], 2)},
+    "train_spawn.py": {"device": (["--nproc=2", "--device=tpu"], 2), "size": (["--nproc=2", *HUGE], 2),
+                       "path": (["--nproc=2", "--resume=/nonexistent/last.pt"], 2),
+                       "disk": (["--nproc=2", "--out_dir={full}/out"], 2)},
+    "sample.py": {"device": (["--out_dir={run}", "--device=tpu"], 2),
+                  "size": (["--out_dir={run}", "--max_new_tokens=10000000000000"], 2),
+                  "path": (["--out_dir=/nonexistent"], 2)},
+    "bench.py": {"device": (["--nproc=1", "--device=tpu"], 2), "size": (["--nproc=1", *HUGE], 2),
+                 "path": (["--nproc=1", "--report=/proc/no/such"], 2)},
+    "data/shakespeare_char/prepare.py": {"path": (["--input=/nonexistent.txt", "--out_dir={full}/x"], 2),
+                                         "disk": (["--input={data}/../input_text.txt", "--out_dir={full}/x"], 2)},
+    "scripts/export_hf.py": {"path": (["--out_dir=/nonexistent", "--to=x"], 2),
+                             "disk": (["--out_dir={run}", "--to={full}/hf"], 2)},
+    "scripts/plot_runs.py": {"path": (["/nonexistent"], 2), "disk": (["{run}", "--out={full}/runs.png"], 2)},
+}
+CASES = [(entry, kind) for entry, kinds in BAD_INPUT.items() for kind in kinds]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry,kind", CASES, ids=[f"{e}-{k}" for e, k in CASES])
+def test_every_entry_point_meets_bad_input_with_one_line(entry, kind, char_data, a_run, full_disk, tmp_path):
+    args, status = BAD_INPUT[entry][kind]
+    args = [a.format(run=a_run, data=char_data, full=full_disk) for a in args]
+    if entry.startswith(("train", "bench")):  # a tiny run, then the bad input, which wins
+        args = tiny_args(char_data, tmp_path / "out") + args
+    proc = subprocess.run([sys.executable, entry, *args], cwd=REPO, env=child_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == status, proc.stderr
+    one_error(proc.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["train.py", "sample.py"])
+def test_ctrl_c_ends_every_entry_point_cleanly(entry, char_data, a_run, tmp_path):
+    """train.py stops at the next log step with a checkpoint; a tool ends with one line; both 130."""
+    args = (tiny_args(char_data, tmp_path, max_iters=100000, eval_interval=100000) if entry == "train.py"
+            else [f"--out_dir={a_run}", "--max_new_tokens=100000", "--num_samples=64"])
+    proc = subprocess.Popen([sys.executable, entry, *args], cwd=REPO, env=child_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    started = proc.stdout if entry == "train.py" else proc.stderr  # a training step, or sample's header
+    for line in started:
+        if line.startswith(("step 1:", "# ")):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in err, err
+    if entry == "train.py":
+        assert "stopped by SIGINT" in out and (tmp_path / "last.pt").exists()
+    else:
+        assert one_error(err) == "error: interrupted (Ctrl-C)"
