@@ -16,7 +16,7 @@ resume rank 0 reads the file and PyTorch's state-dict API (broadcast_from_rank0)
 rank its part.
 """
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -29,11 +29,25 @@ def is_fsdp(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard(model, strategy: str, world: World, reshard: bool):
-    """FSDP: shard each block, then the root, in place (the optimizer is made afterwards, on the
-    shards). DDP: nothing yet (wrap() comes after compile)."""
+def build(make_model, strategy: str, world: World, reshard: bool):
+    """The model on world.device, sharded under FSDP (the optimizer is made afterwards, on the
+    shards; DDP wraps it later, after compile). Under FSDP only rank 0 builds the model whole,
+    from the seed; the others build it on the meta device, which allocates nothing, and after
+    sharding each fills its shard from rank 0's weights: the same weights as a DDP run's."""
     if strategy != "fsdp":
-        return
+        return make_model().to(world.device)
+    with torch.device("meta") if not world.is_master else nullcontext():
+        model = make_model()
+    full = model.state_dict() if world.is_master else {}
+    shard(model.to(world.device) if world.is_master else model, world, reshard)
+    if not world.is_master:
+        model.to_empty(device=world.device)  # room for this rank's shards, then rank 0's values
+    load_full_state(model, None, world, full)
+    return model
+
+
+def shard(model, world: World, reshard: bool):
+    """FSDP2: shard each block, then the root (embeddings, final norm), in place."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(world.device.type, (world.size,))

@@ -207,9 +207,9 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
     strategy = cfg.strategy if world.size > 1 else "ddp"  # one process: nothing to shard
     # an impossible size is refused before anything is allocated (hosts may differ: agree)
     agree_or_raise(parallel.memory_problem(GPTConfig(**model_args), cfg, world, strategy), world)
-    raw_model = GPT(GPTConfig(**model_args)).to(world.device)
+    # FSDP: only rank 0 builds the whole model; every rank gets its shard of rank 0's weights
+    raw_model = parallel.build(lambda: GPT(GPTConfig(**model_args)), strategy, world, cfg.fsdp_reshard)
     parallel.set_activation_checkpointing(raw_model, cfg.activation_checkpointing)
-    parallel.shard(raw_model, strategy, world, cfg.fsdp_reshard)  # the optimizer sees the shards
     # (fused AdamW cannot take FSDP's float16 scaler: its inf flag has shape [1], not [])
     fp16_fsdp = strategy == "fsdp" and world.dtype == torch.float16
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
