@@ -295,7 +295,9 @@ def main(argv=None):
     for n in nprocs:
         accumulation_steps(cfg, n)  # raises where the global batch cannot be split over n
         for strategy in strategies:
-            problem = memory_problem(shape, cfg, dataclasses.replace(world, size=n, local_size=n), strategy)
+            shards = min(cfg.fsdp_shard_size or n, n)
+            problem = memory_problem(shape, cfg, dataclasses.replace(world, size=n, local_size=n, shard_size=shards),
+                                     strategy)
             if problem:
                 raise ConfigError(problem)
     report = Path(opts["report"])

@@ -74,6 +74,8 @@ class Config:
     compile: bool = False                   # torch.compile the model
     strategy: str = "ddp"                   # "ddp" (a whole copy per rank) or "fsdp" (FSDP2, sharded)
     fsdp_reshard: bool = True               # fsdp: free gathered weights after forward (ZeRO-3), or keep them
+    fsdp_shard_size: int = 0                # fsdp: shard over groups of this many ranks, replicate across
+                                            # them (HSDP: a group per host); 0 = shard over all ranks
     activation_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
     dist_timeout: float = 600.0             # seconds a collective may wait for a peer
     peak_flops: float = 0.0                 # device peak FLOP/s for MFU; 0 = model.py's table
@@ -203,6 +205,9 @@ def validate(cfg: Config) -> Config:
     need(0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1,
          f"beta1 and beta2 must be in [0, 1), got {cfg.beta1} and {cfg.beta2}")
     need(cfg.dist_timeout > 0, f"dist_timeout must be positive seconds, got {cfg.dist_timeout}")
+    need(cfg.fsdp_shard_size >= 0, f"fsdp_shard_size must be >= 0 (0 = all ranks), got {cfg.fsdp_shard_size}")
+    need(cfg.fsdp_shard_size == 0 or cfg.strategy == "fsdp",
+         f"fsdp_shard_size={cfg.fsdp_shard_size} shards the model: it needs --strategy=fsdp")
     for name, choices in CHOICES.items():
         need(getattr(cfg, name) in choices, f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
     need(cfg.resume in ("auto", "never") or Path(cfg.resume).suffix == ".pt",

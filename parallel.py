@@ -50,7 +50,11 @@ def shard(model, world: World, reshard: bool):
     """FSDP2: shard each block, then the root (embeddings, final norm), in place."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(world.device.type, (world.size,))
+    # HSDP when shard_size < world size: a 2-D mesh, sharded within each group of shard_size
+    # ranks (a host: all-gathers stay on its fast links) and replicated across the groups
+    groups = world.size // world.shard_size
+    mesh = (init_device_mesh(world.device.type, (world.size,)) if groups == 1 else
+            init_device_mesh(world.device.type, (groups, world.shard_size), mesh_dim_names=("replicate", "shard")))
     # Compute in dtype; gradients are reduced in float32 and the sharded master weights stay
     # float32 (what the optimizer steps). autocast still runs the losses and norms in float32.
     mp = MixedPrecisionPolicy(param_dtype=None if world.dtype == torch.float32 else world.dtype,
@@ -153,7 +157,7 @@ def memory_problem(model_cfg, cfg, world: World, strategy: str):
     A lower bound, so only the impossible is refused: weights, gradients and AdamW moments
     (16 bytes a parameter, sharded under FSDP) plus the float32 logits of one micro-batch."""
     n = model_cfg.n_params
-    state = 16 * n // (world.size if strategy == "fsdp" else 1)
+    state = 16 * n // (world.shard_size if strategy == "fsdp" else 1)
     logits = 4 * cfg.batch_size * cfg.block_size * model_cfg.padded_vocab_size
     available = available_memory(world.device, world.local_size)
     if state + logits > available:

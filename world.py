@@ -43,6 +43,7 @@ class World:
     dtype: torch.dtype = torch.float32
     backend: str = "gloo"
     accum: int = 1        # micro-steps per optimizer step on each rank
+    shard_size: int = 1   # FSDP shards over groups of this many ranks (HSDP when < size)
 
     @property
     def is_master(self) -> bool:
@@ -215,6 +216,10 @@ def setup(cfg: Config) -> World:
     world.dtype = pick_dtype(cfg.dtype, world.device)
     world.backend = pick_backend(cfg.backend, world.device)
     world.accum = accumulation_steps(cfg, world.size)
+    if cfg.fsdp_shard_size and world.size % cfg.fsdp_shard_size:
+        raise ConfigError(f"fsdp_shard_size ({cfg.fsdp_shard_size}) must divide the world size ({world.size}): "
+                          f"e.g. the processes per host, {world.local_size}")
+    world.shard_size = min(cfg.fsdp_shard_size or world.size, world.size)
     use_device(world)
     return world
 
