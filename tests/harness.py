@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from launch import free_port  # noqa: F401  (the tests' port picker too)
+from world import free_port  # noqa: F401  (the tests' port picker too)
 
 REPO = Path(__file__).resolve().parent.parent
 
