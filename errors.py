@@ -109,3 +109,12 @@ class CheckpointNotWritten(RunError):
         super().__init__(
             f"rank 0 could not write a checkpoint at step {step} ({failure}). The previous last.pt "
             f"is intact: free disk space or choose another out_dir, then relaunch with resume=auto.")
+
+
+class HellaSwagMissing(ConfigError):
+    def __init__(self, cache, url: str, e: Exception):
+        super().__init__(
+            f"the HellaSwag validation set is not at {cache} and cannot be downloaded here "
+            f"({type(e).__name__}: {first_line(e, 120)}): on a machine with a network download {url} "
+            f"and put it at {cache}, or point at your copy with --hellaswag=PATH (eval.py) or "
+            f"--hellaswag_path=PATH (train.py)")
