@@ -291,3 +291,13 @@ def test_hellaswag_in_training_under_fsdp(straight, bpe_data, small_file, tmp_pa
     rows, alone = hellaswag_rows(tmp_path / "fsdp"), hellaswag_rows(straight)
     assert [r["step"] for r in rows] == [0, 2, 4, 6, 8] and all(r["hellaswag_examples"] == 10 for r in rows)
     assert rows[0] == alone[0]  # the same initial weights score the same, on half the examples each
+
+
+def test_plot_runs_adds_a_hellaswag_panel(straight, tmp_path):
+    import matplotlib.image
+    sys.path.insert(0, str(REPO / "scripts"))
+    import plot_runs
+    assert [s for s, _ in plot_runs.read_run(straight)["hellaswag"]] == [0, 2, 4, 6, 8]
+    plot_runs.main([str(straight), f"--out={tmp_path / 'runs.png'}"])
+    height, width, _ = matplotlib.image.imread(tmp_path / "runs.png").shape
+    assert width > 2.5 * height  # three panels side by side (two are 11 x 4.2 inches)
