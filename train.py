@@ -34,11 +34,11 @@ import torch.distributed as dist
 import checkpoint
 import parallel
 import pretrained
-from evals import hellaswag
 from collectives import agree_or_raise, any_rank, first_error, gather_rng_states, log_step, on_rank0, restore_rng_states
 from config import Config, resolve
 from data.dataset import split_shards
 from errors import CheckpointNotWritten, ConfigError, Diverged, first_line, reported
+from evals import hellaswag
 from loader import Dataset, ShardedTokenLoader, Tokens, dataset_dir, eval_starts, windows_to_batch
 from logger import Logger
 from model import GPT, GPTConfig
