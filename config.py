@@ -43,6 +43,8 @@ class Config:
     eval_iters: int = 20                    # eval windows per split = eval_iters x global_batch_size
     log_interval: int = 10                  # optimizer steps between train-loss logs
     always_save_checkpoint: bool = True     # write last.pt at every eval, not only when val improves
+    hellaswag_interval: int = 0             # optimizer steps between HellaSwag evals (and at the end); 0 = off
+    hellaswag_path: str = ""                # a local hellaswag_val.jsonl; "" = the cached (or downloaded) copy
     seed: int = 1337                        # one seed; data order, init and each rank's dropout derive from it
     # model (vocab_size comes from the dataset's meta.json)
     n_layer: int = 4
@@ -191,7 +193,7 @@ def validate(cfg: Config) -> Config:
     for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "global_batch_size",
                  "eval_interval", "eval_iters", "log_interval", "pad_vocab_to"):
         need(getattr(cfg, name) > 0, f"{name} must be positive, got {getattr(cfg, name)}")
-    for name in ("max_iters", "warmup_iters", "weight_decay", "grad_clip"):
+    for name in ("max_iters", "warmup_iters", "weight_decay", "grad_clip", "hellaswag_interval"):
         need(getattr(cfg, name) >= 0, f"{name} must be >= 0, got {getattr(cfg, name)}")
     need(cfg.n_embd % cfg.n_head == 0,
          f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")

@@ -121,3 +121,12 @@ class LogNotWritten(RunError):
         super().__init__(
             f"rank 0 {failure}; {_kept(saved_step)}: free disk space, then relaunch with "
             f"resume=auto (a line cut short is dropped).")
+
+
+class HellaSwagMissing(ConfigError):
+    def __init__(self, cache, url: str, e: Exception):
+        super().__init__(
+            f"the HellaSwag validation set is not at {cache} and cannot be downloaded here "
+            f"({type(e).__name__}: {first_line(e, 120)}): on a machine with a network download {url} "
+            f"and put it at {cache}, or point at your copy with --hellaswag=PATH (eval.py) or "
+            f"--hellaswag_path=PATH (train.py)")

@@ -23,7 +23,6 @@ already given up.
 import math
 import signal
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -39,10 +38,11 @@ from collectives import agree_or_raise, any_rank, first_error, gather_rng_states
 from config import Config, resolve
 from data.dataset import split_shards
 from errors import CheckpointNotWritten, ConfigError, Diverged, LogNotWritten, first_line, reported
+from evals import hellaswag
 from loader import Dataset, ShardedTokenLoader, Tokens, dataset_dir, eval_starts, windows_to_batch
 from logger import Logger
 from model import GPT, GPTConfig
-from world import StopSignal, World, collective_failures_explained, process_group, setup, strip_local_rank
+from world import StopSignal, World, autocast, collective_failures_explained, process_group, setup, strip_local_rank
 
 
 # -----------------------------------------------------------------------------
@@ -62,21 +62,22 @@ def get_lr(step: int, cfg: Config) -> float:
 
 
 @torch.no_grad()
-def evaluate(run: "Run", tokens: Tokens, starts: np.ndarray) -> float:
-    """Mean loss over fixed windows split across ranks; sums are all-reduced, so every rank agrees."""
-    cfg, world = run.cfg, run.world
-    run.model.eval()
+def evaluate(model, tokens: Tokens, starts: np.ndarray, block_size: int, batch_size: int, world: World, autocast,
+             same_forwards: bool) -> float:
+    """Mean loss over fixed windows split across ranks; sums are all-reduced, so every rank agrees.
+    same_forwards (FSDP): every rank runs as many forwards as rank 0 (eval.py calls it too)."""
+    model.eval()
     # (sum of token losses, token count, ranks that read a token id past the vocabulary)
     totals = torch.zeros(3, dtype=torch.float32 if world.device.type == "mps" else torch.float64,
                          device=world.device)
     mine = starts[world.rank::world.size]
     # FSDP gathers weights in every forward, so every rank runs as many as rank 0 (spares count 0)
-    n = len(starts[::world.size]) if parallel.is_fsdp(run.raw_model) else len(mine)
-    for i in range(0, n, cfg.batch_size):
-        batch = mine[i:i + cfg.batch_size]
-        x, y = windows_to_batch(tokens, batch if len(batch) else starts[:1], cfg.block_size, world.device)
-        with run.autocast:
-            _, loss = run.model(x, y)
+    n = len(starts[::world.size]) if same_forwards else len(mine)
+    for i in range(0, n, batch_size):
+        batch = mine[i:i + batch_size]
+        x, y = windows_to_batch(tokens, batch if len(batch) else starts[:1], block_size, world.device)
+        with autocast:
+            _, loss = model(x, y)
         totals[0] += loss.to(totals.dtype) * y.numel() * (len(batch) > 0)
         totals[1] += y.numel() * (len(batch) > 0)
     totals[2] = tokens.bad is not None
@@ -84,7 +85,7 @@ def evaluate(run: "Run", tokens: Tokens, starts: np.ndarray) -> float:
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     if totals[2] > 0:  # no loss of a damaged split is reported: every rank stops with one message
         raise ConfigError(first_error(tokens.bad, world))
-    run.model.train()
+    model.train()
     return (totals[0] / totals[1]).item()
 
 
@@ -136,6 +137,7 @@ class Run:
     scaler: torch.amp.GradScaler
     loader: ShardedTokenLoader
     eval_sets: dict           # split -> (tokens, fixed window starts)
+    hellaswag: Optional[list] # HellaSwag's examples, rendered (None when hellaswag_interval is 0)
     model_args: dict
     autocast: object          # torch.autocast for bfloat16/float16, a null context for float32
     # loop state
@@ -144,6 +146,7 @@ class Run:
     val_loss: Optional[float] = None
     resumed_from: Optional[str] = None
     saved_step: Optional[int] = None  # the step last.pt holds, for messages
+    hellaswag_step: int = -1  # the step HellaSwag was last evaluated at: a resume neither repeats nor skips one
 
     @property
     def tokens_per_step(self) -> int:
@@ -155,7 +158,7 @@ class Run:
         model, optimizer = parallel.full_state(self.raw_model, self.optimizer)  # FSDP: on rank 0 only
         return dict(format=checkpoint.FORMAT, model=model, optimizer=optimizer, scaler=self.scaler.state_dict(),
                     step=self.step, tokens_seen=self.step * self.tokens_per_step,
-                    val_loss=self.val_loss, best_val_loss=self.best_val_loss,
+                    val_loss=self.val_loss, best_val_loss=self.best_val_loss, hellaswag_step=self.hellaswag_step,
                     config=self.cfg.to_dict(), model_args=self.model_args,
                     loader=self.loader.state_dict(), rng=rng, world_size=self.world.size)
 
@@ -171,11 +174,16 @@ class Run:
             print(f"note: {self.resumed_from} was not trained in float16: the loss scale starts afresh",
                   flush=True)
         self.loader.load_state_dict(ckpt["loader"])
+        self.hellaswag_step = ckpt.get("hellaswag_step", self.step)  # older files: as if evaluated there
         if ckpt["world_size"] == self.world.size:
             restore_rng_states(ckpt["rng"], self.world)
         elif self.world.is_master:
             print(f"note: {self.resumed_from} was written by {ckpt['world_size']} processes; the "
                   f"data order continues exactly, dropout streams are derived afresh", flush=True)
+
+    def hellaswag_due(self, at_end: bool) -> bool:
+        every = self.cfg.hellaswag_interval
+        return every > 0 and (self.step % every == 0 or at_end) and self.step > self.hellaswag_step
 
     def save(self, best: bool):
         if not parallel.all_finite(self.raw_model, self.world):  # the same answer on every rank
@@ -223,8 +231,9 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
                                         world.rank, world.size, cfg.seed, world.device),
               eval_sets={split: (tokens, eval_starts(tokens, cfg.block_size, n_eval))
                          for split, tokens in splits.items()},
-              autocast=(nullcontext() if world.dtype == torch.float32
-                        else torch.autocast(world.device.type, dtype=world.dtype)))
+              hellaswag=(hellaswag.load_on_every_rank(cfg.hellaswag_path, meta, cfg.block_size, world)
+                         if cfg.hellaswag_interval else None),
+              autocast=autocast(world))
     # Each rank gets its own dropout stream, derived from the one seed.
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
     # rank 0 reads and checks the file (other hosts need no copy); the others get its run state
@@ -273,7 +282,10 @@ def check_log(log: Logger, run: Run):
 
 def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
     """Both splits' loss; then a checkpoint when one is due (never for the step a resume began at)."""
-    losses = {split: evaluate(run, *run.eval_sets[split]) for split in run.eval_sets}
+    cfg, world = run.cfg, run.world
+    losses = {split: evaluate(run.model, tokens, starts, cfg.block_size, cfg.batch_size, world, run.autocast,
+                              parallel.is_fsdp(run.raw_model))
+              for split, (tokens, starts) in run.eval_sets.items()}
     run.val_loss = losses["val"]
     if not math.isfinite(run.val_loss):
         raise Diverged(f"the validation loss is {run.val_loss} at step {run.step}", run.cfg.learning_rate,
@@ -285,6 +297,19 @@ def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
             f"step {run.step}: train loss {losses['train']:.4f}, val loss {run.val_loss:.4f}")
     if run.step > start_step and (run.cfg.always_save_checkpoint or improved or at_end):
         run.save(best=improved)
+    log.restart_clock(run.step)
+
+
+def eval_hellaswag(run: Run, log: Logger):
+    """HellaSwag's accuracy, on every rank (rank 0 logs it). The unwrapped model: an eval forward
+    needs no DDP, and under FSDP raw_model is the sharded module itself."""
+    score, _ = hellaswag.evaluate(run.raw_model, run.hellaswag, run.world, run.autocast,
+                                  max(1, run.cfg.batch_size // hellaswag.ENDINGS), parallel.is_fsdp(run.raw_model))
+    run.hellaswag_step = run.step
+    log.log({"step": run.step, "hellaswag_acc": score.acc, "hellaswag_acc_norm": score.acc_norm,
+             "hellaswag_examples": score.examples, "hellaswag_truncated": score.truncated},
+            f"step {run.step}: {score.line()}" + (f" ({score.truncated} contexts cut to block_size)"
+                                                   if score.truncated else ""))
     log.restart_clock(run.step)
 
 
@@ -301,6 +326,8 @@ def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[s
             for group in run.optimizer.param_groups:
                 group["lr"] = lr
             at_end = run.step >= cfg.max_iters
+            if run.hellaswag_due(at_end):  # before eval_and_save, so a checkpoint there records it
+                eval_hellaswag(run, log)
             if (run.step % cfg.eval_interval == 0 or at_end) and not (run.step == start_step and run.resumed_from):
                 eval_and_save(run, log, at_end, start_step)
             if at_end:

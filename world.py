@@ -4,7 +4,8 @@ Ranks come from the launcher's environment, in this order: torchrun or hand-set 
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), SLURM's inside an srun step
 (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), else a single process. train_spawn.py sets the
 torchrun variables for its children, and the legacy --local_rank=N argument is turned into
-LOCAL_RANK. setup() is the one start-up that train.py and bench.py share.
+LOCAL_RANK. setup() is the one start-up that train.py and bench.py share; eval.py, which
+accumulates nothing, calls its first half, place().
 
 Every problem a rank can find by itself (a config typo, a dtype the device cannot run, a
 global batch the world cannot split) is found in setup(), before the process group forms, on
@@ -19,7 +20,7 @@ import signal
 import socket
 import threading
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -209,19 +210,30 @@ def accumulation_steps(cfg: Config, world_size: int) -> int:
     return cfg.global_batch_size // (cfg.batch_size * world_size)
 
 
-def setup(cfg: Config) -> World:
-    """Ranks, device, dtype, backend and accumulation steps, all checked before any group forms."""
+def place(device: str, dtype: str, backend: str) -> World:
+    """Ranks, device, dtype and backend, all checked before any group forms (eval.py's start-up)."""
     world = find_world()
-    world.device = pick_device(cfg.device, world)
-    world.dtype = pick_dtype(cfg.dtype, world.device)
-    world.backend = pick_backend(cfg.backend, world.device)
+    world.device = pick_device(device, world)
+    world.dtype = pick_dtype(dtype, world.device)
+    world.backend = pick_backend(backend, world.device)
+    use_device(world)
+    return world
+
+
+def setup(cfg: Config) -> World:
+    """place() and the accumulation steps, checked before any group forms."""
+    world = place(cfg.device, cfg.dtype, cfg.backend)
     world.accum = accumulation_steps(cfg, world.size)
     if cfg.fsdp_shard_size and world.size % cfg.fsdp_shard_size:
         raise ConfigError(f"fsdp_shard_size ({cfg.fsdp_shard_size}) must divide the world size ({world.size}): "
                           f"e.g. the processes per host, {world.local_size}")
     world.shard_size = min(cfg.fsdp_shard_size or world.size, world.size)
-    use_device(world)
     return world
+
+
+def autocast(world: World):
+    """torch.autocast in world.dtype for bfloat16/float16; a null context for float32."""
+    return nullcontext() if world.dtype == torch.float32 else torch.autocast(world.device.type, dtype=world.dtype)
 
 
 # -----------------------------------------------------------------------------

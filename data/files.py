@@ -9,6 +9,11 @@ import uuid
 from pathlib import Path
 
 
+def cache_dir() -> Path:
+    """Where downloads are kept between runs (the GPT-2 vocabulary, HellaSwag)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt-train"
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

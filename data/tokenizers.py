@@ -20,7 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.dataset import GPT2_EOT, GPT2_VOCAB_SIZE
-from data.files import atomic_write_bytes, check_sha256, pip_download, sha256_bytes
+from data.files import atomic_write_bytes, cache_dir, check_sha256, pip_download, sha256_bytes
 
 GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # = r50k_base
 WHISPER_PACKAGE = "openai-whisper==20250625"  # its sdist ships the GPT-2 vocabulary
@@ -29,7 +29,7 @@ REPO_COPY = Path(__file__).resolve().parent / "gpt2.tiktoken"
 
 
 def gpt2_cache_path() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt-train" / "gpt2.tiktoken"
+    return cache_dir() / "gpt2.tiktoken"
 
 
 def _ranks(data: bytes) -> dict:

@@ -4,7 +4,9 @@
     python scripts/plot_runs.py out --labels=baseline --out=loss.png
 
 Left: train loss (each logged step, lines) and val loss (each eval, markers) against the step;
-right: the same against tokens seen, so runs with different batch sizes line up. Each run is
+middle: the same against tokens seen, so runs with different batch sizes line up; and when a
+run evaluated HellaSwag (hellaswag_interval), a third panel of its acc_norm against the step,
+beside GPT-2 124M's score by the same scorer. Each run is
 labelled by its folder name (or --labels), with its world size from config.json when present.
 A folder without metrics.jsonl, or with no loss in it, is one line on stderr and exit 2.
 """
@@ -18,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from errors import ConfigError, reported  # noqa: E402
 
+GPT2_124M_ACC_NORM = 0.2955  # llm.c dev/data/hellaswag.py, completion style (docs/eval.md)
+
 
 def read_run(out_dir: Path) -> dict:
     """Train and val points (step, tokens seen, loss) of one run; the last line wins per step
@@ -25,7 +29,7 @@ def read_run(out_dir: Path) -> dict:
     path = out_dir / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"{path} does not exist: give the out_dir of a training run")
-    train, val, tokens_per_step = {}, {}, None
+    train, val, hellaswag, tokens_per_step = {}, {}, {}, None
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -39,6 +43,8 @@ def read_run(out_dir: Path) -> dict:
             train[row["step"]] = row["loss"]
         if "val_loss" in row:
             val[row["step"]] = row["val_loss"]
+        if "hellaswag_acc_norm" in row:
+            hellaswag[row["step"]] = row["hellaswag_acc_norm"]
     if not train and not val:
         raise ConfigError(f"{path} holds no train or val loss yet")
     world = None
@@ -49,15 +55,16 @@ def read_run(out_dir: Path) -> dict:
             world, tokens_per_step = run.get("world_size"), run.get("tokens_per_step") or tokens_per_step
         except ValueError:
             pass
-    return dict(train=sorted(train.items()), val=sorted(val.items()), tokens_per_step=tokens_per_step,
-                world=world)
+    return dict(train=sorted(train.items()), val=sorted(val.items()), hellaswag=sorted(hellaswag.items()),
+                tokens_per_step=tokens_per_step, world=world)
 
 
 def plot(runs: dict, out: Path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = 3 if any(r["hellaswag"] for r in runs.values()) else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2))
     for i, (label, r) in enumerate(runs.items()):
         # runs that agree lie on top of each other: each gets its own dash and a thinner line
         color, dash, width = f"C{i % 10}", ("-", "--", ":", "-.")[i % 4], max(0.8, 2.6 - 0.6 * i)
@@ -71,11 +78,21 @@ def plot(runs: dict, out: Path):
             if r["val"]:
                 ax.plot([x(s) for s, _ in r["val"]], [v for _, v in r["val"]], "osd^"[i % 4], color=color,
                         markersize=8 - 1.5 * (i % 4), fillstyle="none", label=f"{label} val")
+        if r["hellaswag"]:
+            axes[2].plot([s for s, _ in r["hellaswag"]], [v for _, v in r["hellaswag"]], dash + "osd^"[i % 4],
+                         color=color, linewidth=width, fillstyle="none", label=label)
     for ax, xlabel in ((axes[0], "optimizer step"), (axes[1], "tokens seen")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
+    if panels == 3:  # llm.c's completion-style score of GPT-2 124M, the scorer evals/hellaswag.py follows
+        axes[2].axhline(GPT2_124M_ACC_NORM, color="r", linestyle="--", label=f"GPT-2 124M ({GPT2_124M_ACC_NORM})")
+        axes[2].axhline(0.25, color="gray", linestyle=":", label="chance (0.25)")
+        axes[2].set_xlabel("optimizer step")
+        axes[2].set_ylabel("HellaSwag acc_norm")
+        axes[2].grid(alpha=0.3)
+        axes[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

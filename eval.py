@@ -1,0 +1,110 @@
+"""Evaluate a checkpoint or GPT-2's weights: HellaSwag accuracy, and the loss on a dataset.
+
+    python eval.py --out_dir=out                         # best.pt (else last.pt) of a training run
+    python eval.py --init_from=gpt2                      # OpenAI's GPT-2 124M (or a Hugging Face folder)
+    python eval.py --init_from=gpt2 --limit=500          # a quick look: the first 500 examples
+    python eval.py --out_dir=out --hellaswag=hellaswag_val.jsonl --dataset=fineweb
+    torchrun --standalone --nproc_per_node=4 eval.py --init_from=gpt2-xl   # each rank a quarter
+
+HellaSwag's validation file comes from --hellaswag=PATH, else from the cache
+(~/.cache/gpt-train/hellaswag_val.jsonl), downloaded there on first use. Every rank loads the
+model itself, so under several hosts each needs its copy. The last line on stdout is
+`hellaswag: acc A acc_norm B over N examples` (fractions, 4 decimals), for scripts to read;
+docs/eval.md says what the numbers mean and what GPT-2 scores. Every bad input ends in one
+line on stderr and exit status 2.
+"""
+
+import argparse
+from pathlib import Path
+
+import checkpoint
+import pretrained
+from collectives import agree_or_raise
+from config import Config
+from data.dataset import split_shards
+from errors import ConfigError, reported
+from evals import hellaswag
+from loader import Tokens, dataset_dir, eval_starts, read_dataset
+from train import evaluate
+from world import autocast, collective_failures_explained, place, process_group
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out_dir", default="out", help="folder with best.pt / last.pt and meta.json")
+    p.add_argument("--init_from", default="", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a Hugging "
+                                                   "Face GPT-2 folder, instead of a checkpoint in --out_dir")
+    p.add_argument("--hellaswag", default="", help="a local hellaswag_val.jsonl (default: the cached copy)")
+    p.add_argument("--limit", type=int, default=0, help="evaluate the first N examples only (0 = all)")
+    p.add_argument("--dataset", default="", help="also the loss on this dataset's val split")
+    p.add_argument("--data_dir", default="", help="that dataset's folder (default data/<dataset>)")
+    p.add_argument("--val_windows", type=int, default=200, help="val windows of block_size tokens for the loss")
+    p.add_argument("--batch_size", type=int, default=16, help="sequences per forward (4 per HellaSwag example)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--dist_timeout", type=float, default=600.0, help="seconds a rank waits for its peers")
+    return p.parse_args(argv)
+
+
+def check(args):
+    for name in ("limit", "val_windows", "batch_size"):
+        if getattr(args, name) < (0 if name == "limit" else 1):
+            raise ConfigError(f"--{name} must be {'>= 0' if name == 'limit' else 'positive'}, got {getattr(args, name)}")
+    if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
+    if not args.init_from and not Path(args.out_dir).is_dir():
+        raise ConfigError(f"out_dir {args.out_dir} does not exist: train first (python train.py) or pass --out_dir")
+
+
+def load_model(args, device) -> tuple:
+    """(model in eval mode, its meta, a name for it) through the repo's one loader of each kind."""
+    if args.init_from:
+        return pretrained.load_gpt(args.init_from, device), {"tokenizer": "gpt2"}, args.init_from
+    model, meta, path, step = checkpoint.load_model(Path(args.out_dir), device)
+    return model, meta, f"{path} (step {step})"
+
+
+def val_split(args, model) -> tuple:
+    """(tokens, window starts) of --dataset's val split, checked against the model's vocabulary."""
+    cfg = Config(dataset=args.dataset, data_dir=args.data_dir, block_size=model.config.block_size)
+    meta = read_dataset(cfg)
+    if meta["vocab_size"] != model.config.vocab_size:
+        raise ConfigError(f"{dataset_dir(cfg)} has a vocabulary of {meta['vocab_size']} tokens, the model "
+                          f"{model.config.vocab_size}: give a dataset of the model's tokenizer")
+    tokens = Tokens(split_shards(dataset_dir(cfg), meta)["val"], meta["vocab_size"])
+    return tokens, eval_starts(tokens, cfg.block_size, args.val_windows)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check(args)
+    world = place(args.device, args.dtype, "auto")  # checked before the group, like train.py
+    with process_group(world, args.dist_timeout), \
+            collective_failures_explained(world, args.dist_timeout, lambda: "during the evaluation"):
+        error = None
+        try:  # a rank whose copy of something is missing stops every rank, with its message
+            model, meta, name = load_model(args, world.device)
+            hellaswag.check_tokenizer(meta, name)
+            val = val_split(args, model) if args.dataset else None
+            examples = hellaswag.load(args.hellaswag, model.config.block_size, args.limit)
+        except ConfigError as e:
+            error = str(e)
+        agree_or_raise(error, world)
+        if val is not None:
+            loss = evaluate(model, *val, model.config.block_size, args.batch_size, world, autocast(world), False)
+        score, _ = hellaswag.evaluate(model, examples, world, autocast(world),
+                                      max(1, args.batch_size // hellaswag.ENDINGS), progress=world.is_master)
+    if world.is_master:
+        print(f"# {name}, {world.size} process{'es' if world.size > 1 else ''}")
+        if val is not None:
+            print(f"{args.dataset} val loss {loss:.4f} over {len(val[1])} windows of {model.config.block_size} tokens")
+        if score.truncated:
+            print(f"note: {score.truncated} contexts were longer than block_size "
+                  f"({model.config.block_size}) and lost tokens from their left")
+        print(score.line())
+    return score
+
+
+if __name__ == "__main__":
+    with reported():
+        main()

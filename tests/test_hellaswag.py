@@ -1,0 +1,303 @@
+"""HellaSwag: scores equal to a plain transformers scorer, the same for any world size, on
+schedule in training across a resume, and one clear line for every bad input. Offline: the file
+is written here in the official format, the "GPT-2" is a random transformers model."""
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import REPO, child_env, metrics, run_ranks, tiny_args
+
+transformers = pytest.importorskip("transformers")
+
+import eval as eval_py  # noqa: E402
+import pretrained  # noqa: E402
+import train  # noqa: E402
+from config import resolve  # noqa: E402
+from data.tokenizers import REPO_COPY, gpt2_encoding  # noqa: E402
+from errors import ConfigError, reported  # noqa: E402
+from evals import hellaswag  # noqa: E402
+from world import World  # noqa: E402
+
+WORDS = ("the man woman dog child runs jumps into water slowly then quickly ball house kitchen "
+         "unbelievably extraordinary photosynthesis skateboard onto rooftop, and. she he").split()
+LINE = re.compile(r"hellaswag: acc (\d\.\d{4}) acc_norm (\d\.\d{4}) over (\d+) examples")
+
+
+def write_examples(path, n, seed=0, ctx_words=(3, 20), end_words=(1, 12)):
+    """n examples of the official format; endings of one to a dozen words, so token lengths differ."""
+    rng = random.Random(seed)
+    say = lambda lo, hi: " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"ind": i, "ctx": say(*ctx_words), "endings": [say(*end_words) for _ in range(4)],
+                                "label": rng.randrange(4), "split": "val"}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def hs_file(tmp_path_factory):
+    return write_examples(tmp_path_factory.mktemp("hs") / "hellaswag_val.jsonl", 24)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    folder = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
+    transformers.GPT2LMHeadModel(config).eval().save_pretrained(folder)
+    return folder
+
+
+def reference_picks(hf, path) -> list:
+    """llm.c's scorer, written out: per example, the 4 rows right-padded, one full forward,
+    losses of the shifted targets masked to the ending, summed and averaged."""
+    enc = gpt2_encoding(verbose=False)
+    picks = []
+    for line in open(path):
+        ex = json.loads(line)
+        ctx = enc.encode(ex["ctx"])
+        rows = [ctx + enc.encode(" " + e) for e in ex["endings"]]
+        tokens = torch.zeros(4, max(map(len, rows)), dtype=torch.long)
+        mask = torch.zeros_like(tokens)
+        for i, row in enumerate(rows):
+            tokens[i, :len(row)] = torch.tensor(row)
+            mask[i, len(ctx):len(row)] = 1
+        with torch.no_grad():
+            logits = hf(tokens).logits
+        losses = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(), reduction="none").view(4, -1)
+        total = (losses * mask[:, 1:]).sum(1)
+        picks.append((total.argmin().item(), (total / mask[:, 1:].sum(1)).argmin().item(), ex["label"]))
+    return picks
+
+
+def run_eval(argv, capsys) -> list:
+    eval_py.main([str(a) for a in argv])
+    return capsys.readouterr().out.strip().splitlines()
+
+
+def fails(argv, capsys) -> str:
+    """eval.py's one error line (exit status 2), and no score printed."""
+    with pytest.raises(SystemExit) as exit, reported():
+        eval_py.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert exit.value.code == 2 and "hellaswag: acc" not in out
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+# --- scoring -------------------------------------------------------------------------------
+
+def test_acc_and_each_chosen_ending_match_a_transformers_reference(hf_folder, hs_file, capsys):
+    expected = reference_picks(transformers.GPT2LMHeadModel.from_pretrained(hf_folder).eval(), hs_file)
+    examples = hellaswag.load(str(hs_file), block_size=64)
+    assert len({len(row) for ex in examples for row in ex.rows}) > 5  # endings of many lengths
+    score, picks = hellaswag.evaluate(pretrained.load_gpt(str(hf_folder)), examples, World(), torch.autocast("cpu", enabled=False), per_batch=5)
+    assert [picks[i] for i in range(len(examples))] == [(s, m) for s, m, _ in expected]
+    assert score.correct == sum(s == label for s, _, label in expected)
+    assert score.correct_norm == sum(m == label for _, m, label in expected)
+    assert (score.examples, score.truncated) == (24, 0)
+    assert score.correct != score.correct_norm  # the two criteria really differ here
+    # eval.py: its last line, exactly
+    assert run_eval(["--init_from", hf_folder, "--hellaswag", hs_file], capsys)[-1] == score.line()
+
+
+def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path, capsys):
+    enc = gpt2_encoding(verbose=False)
+    ex = hellaswag.render("a b c d e f g h i j k l", ["m n", "o", "p q r", "s"], 2, enc.encode_ordinary, 8)
+    context = enc.encode_ordinary("a b c d e f g h i j k l")[-5:]  # 8 minus the longest ending's 3
+    assert ex.truncated and ex.start == 5 and ex.rows[2] == context + enc.encode_ordinary(" p q r")
+    assert all(len(row) <= 8 for row in ex.rows)
+    path = write_examples(tmp_path / "long.jsonl", 12, seed=1, ctx_words=(2, 40))
+    examples = hellaswag.load(str(path), block_size=24)
+    long = sum(len(enc.encode_ordinary(json.loads(line)["ctx"])) + max(len(enc.encode_ordinary(" " + e)) for e in
+               json.loads(line)["endings"]) > 24 for line in open(path))
+    assert 0 < long < 12 and sum(ex.truncated for ex in examples) == long
+    # eval.py, on a GPT-2 of 24 positions, scores them all and says how many were cut
+    short = tmp_path / "short-gpt2"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=50257, n_positions=24, n_embd=32, n_layer=2, n_head=2)).save_pretrained(short)
+    out = run_eval(["--init_from", short, "--hellaswag", path], capsys)
+    assert out[-2] == f"note: {long} contexts were longer than block_size (24) and lost tokens from their left"
+    assert LINE.fullmatch(out[-1]) and out[-1].endswith("over 12 examples")
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("line, needle", [
+    ("{not json", "is not JSON"),
+    ('{"ctx": "a", "label": 0}', "lacks endings"),
+    ('{"ctx": "a", "endings": ["b", "c", "d"], "label": 0}', "endings must be a list of 4 strings, got 3 items"),
+    ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 4}', "label must be 0, 1, 2 or 3"),
+    ('["a", "b"]', "is not a JSON object"),
+])
+def test_a_malformed_line_is_one_error_naming_its_number(hf_folder, hs_file, tmp_path, capsys, line, needle):
+    lines = open(hs_file).read().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines[:4] + [line] + lines[4:]) + "\n")
+    error = fails(["--init_from", hf_folder, "--hellaswag", bad, "--limit=2"], capsys)  # checked past the limit
+    assert f"{bad}, line 5" in error and needle in error
+
+
+def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_folder, hs_file, tmp_path, capsys,
+                                                                         monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(hellaswag, "URL", "http://127.0.0.1:9/hellaswag_val.jsonl")  # nothing listens there
+    error = fails(["--init_from", hf_folder], capsys)
+    assert str(hellaswag.cache_path()) in error and "--hellaswag=PATH" in error and "hellaswag_path" in error
+    assert "does not exist" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path / "nowhere.jsonl"], capsys)
+
+    class Response:  # a download that is not the official file
+        def __init__(self, *a, **k):
+            pass
+        __enter__ = lambda self: self
+        __exit__ = lambda self, *exc: None
+        read = lambda self: hs_file.read_bytes()
+    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", Response)
+    assert "git blob id" in fails(["--init_from", hf_folder], capsys)
+    assert not hellaswag.cache_path().exists()
+
+
+# --- in training ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bpe_data(tmp_path_factory, char_data):
+    from data.shakespeare.prepare import prepare
+    folder = tmp_path_factory.mktemp("bpe") / "data"
+    prepare(out_dir=folder, input_path=char_data.parent / "input_text.txt", bpe_file=REPO_COPY)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def small_file(tmp_path_factory):
+    return write_examples(tmp_path_factory.mktemp("hs_small") / "hellaswag_val.jsonl", 10, seed=2,
+                          ctx_words=(2, 8), end_words=(1, 4))
+
+
+def bpe_args(bpe_data, small_file, out_dir, **overrides):
+    return tiny_args(bpe_data, out_dir, **{
+        "dataset": "shakespeare", "block_size": 16, "max_iters": 8, "lr_decay_iters": 8, "eval_interval": 4,
+        "eval_iters": 1, "hellaswag_interval": 2, "hellaswag_path": small_file,
+        **overrides})
+
+
+def hellaswag_rows(out_dir) -> list:
+    return [r for r in metrics(out_dir) if "hellaswag_acc" in r]
+
+
+@pytest.fixture(scope="module")
+def straight(bpe_data, small_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    train.main(resolve(bpe_args(bpe_data, small_file, out)))
+    return out
+
+
+def test_training_evaluates_on_schedule_and_a_resume_neither_repeats_nor_skips(
+        straight, bpe_data, small_file, tmp_path, monkeypatch):
+    rows = hellaswag_rows(straight)
+    assert [r["step"] for r in rows] == [0, 2, 4, 6, 8] and all(r["hellaswag_examples"] == 10 for r in rows)
+    assert torch.load(straight / "last.pt", weights_only=True)["hellaswag_step"] == 8
+
+    # The same run in three legs. The first ends at step 4, evaluated there and saved after:
+    # the second must not evaluate step 4 again.
+    legs, step = tmp_path / "legs", train.optimizer_step
+    train.main(resolve(bpe_args(bpe_data, small_file, legs, max_iters=4)))
+
+    # The second gets SIGTERM during step 6: it saves step 6 before its HellaSwag eval, which
+    # the third must then run.
+    def optimizer_step(run, sync=True):
+        if run.step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(run, sync)
+    monkeypatch.setattr(train, "optimizer_step", optimizer_step)
+    assert train.main(resolve(bpe_args(bpe_data, small_file, legs, resume="auto")))["stopped"] == signal.SIGTERM
+    assert [r["step"] for r in hellaswag_rows(legs)] == [0, 2, 4]
+    monkeypatch.setattr(train, "optimizer_step", step)
+    train.main(resolve(bpe_args(bpe_data, small_file, legs, resume="auto")))
+    assert hellaswag_rows(legs) == rows  # each step once, with the uninterrupted run's numbers
+
+
+def test_eval_py_scores_a_checkpoint_with_its_dataset_loss(straight, bpe_data, small_file, capsys):
+    out = run_eval(["--out_dir", straight, "--hellaswag", small_file, "--dataset=shakespeare",
+                    "--data_dir", bpe_data, "--val_windows=8"], capsys)
+    assert any(re.fullmatch(r"shakespeare val loss \d+\.\d{4} over 8 windows of 16 tokens", line) for line in out)
+    final = hellaswag_rows(straight)[-1]
+    assert out[-1] == (f"hellaswag: acc {final['hellaswag_acc']:.4f} acc_norm {final['hellaswag_acc_norm']:.4f} "
+                       f"over 10 examples")
+    last = run_eval(["--out_dir", straight, "--hellaswag", small_file, "--limit=3"], capsys)[-1]
+    assert LINE.fullmatch(last) and last.endswith("over 3 examples")
+
+
+def test_a_character_level_model_is_refused(char_data, small_file, tmp_path, capsys):
+    with pytest.raises(ConfigError, match="HellaSwag needs a model of GPT-2 BPE tokens.*'char'"):
+        train.main(resolve(tiny_args(char_data, tmp_path, hellaswag_interval=5, hellaswag_path=small_file)))
+    train.main(resolve(tiny_args(char_data, tmp_path, max_iters=1)))
+    assert "GPT-2 BPE tokens" in fails(["--out_dir", tmp_path, "--hellaswag", small_file], capsys)
+
+
+# --- several processes ---------------------------------------------------------------------
+
+def _score_rank(rank, world_size, hf_folder, path, out):
+    """One rank of a spawned world: the process group, the model, its share of the examples."""
+    from world import place, process_group
+    world = place("cpu", "float32", "gloo")
+    with process_group(world, 60):
+        examples = hellaswag.load(str(path), 64)
+        score, picks = hellaswag.evaluate(pretrained.load_gpt(str(hf_folder)), examples, world,
+                                          torch.autocast("cpu", enabled=False), per_batch=5)
+    (out / f"w{world_size}r{rank}.json").write_text(json.dumps([score.__dict__, picks]))
+
+
+@pytest.mark.slow
+def test_one_two_and_four_ranks_give_identical_counts(hf_folder, hs_file, tmp_path):
+    examples = hellaswag.load(str(hs_file), 64)
+    one, picks = hellaswag.evaluate(pretrained.load_gpt(str(hf_folder)), examples, World(),
+                                    torch.autocast("cpu", enabled=False), per_batch=5)
+    for world_size in (2, 4):
+        run_ranks(_score_rank, world_size, hf_folder, hs_file, tmp_path)
+        results = [json.loads((tmp_path / f"w{world_size}r{r}.json").read_text()) for r in range(world_size)]
+        assert all(score == one.__dict__ for score, _ in results)
+        parts = [{int(i): tuple(p) for i, p in rank_picks.items()} for _, rank_picks in results]
+        assert sum(map(len, parts)) == len(examples) and {k: v for p in parts for k, v in p.items()} == picks
+
+
+@pytest.mark.slow
+def test_eval_py_under_torchrun_prints_the_one_process_line(hf_folder, hs_file):
+    alone = subprocess.run([sys.executable, "eval.py", f"--init_from={hf_folder}", f"--hellaswag={hs_file}"],
+                           cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    shared = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "eval.py", f"--init_from={hf_folder}", f"--hellaswag={hs_file}"],
+                            cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0 and shared.returncode == 0, alone.stderr + shared.stderr
+    assert LINE.fullmatch(alone.stdout.splitlines()[-1])
+    assert shared.stdout.splitlines()[-1] == alone.stdout.splitlines()[-1]
+    assert "2 processes" in shared.stdout
+
+
+@pytest.mark.slow
+def test_hellaswag_in_training_under_fsdp(straight, bpe_data, small_file, tmp_path):
+    from harness import run_world
+    run_world(2, bpe_args(bpe_data, small_file, tmp_path / "fsdp", strategy="fsdp"), tmp_path / "results")
+    rows, alone = hellaswag_rows(tmp_path / "fsdp"), hellaswag_rows(straight)
+    assert [r["step"] for r in rows] == [0, 2, 4, 6, 8] and all(r["hellaswag_examples"] == 10 for r in rows)
+    assert rows[0] == alone[0]  # the same initial weights score the same, on half the examples each
+
+
+def test_plot_runs_adds_a_hellaswag_panel(straight, tmp_path):
+    import matplotlib.image
+    sys.path.insert(0, str(REPO / "scripts"))
+    import plot_runs
+    assert [s for s, _ in plot_runs.read_run(straight)["hellaswag"]] == [0, 2, 4, 6, 8]
+    plot_runs.main([str(straight), f"--out={tmp_path / 'runs.png'}"])
+    height, width, _ = matplotlib.image.imread(tmp_path / "runs.png").shape
+    assert width > 2.5 * height  # three panels side by side (two are 11 x 4.2 inches)
