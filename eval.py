@@ -25,7 +25,7 @@ from data.dataset import split_shards
 from errors import ConfigError, reported
 from evals import hellaswag
 from loader import Tokens, dataset_dir, eval_starts, read_dataset
-from train import evaluate
+from evals.loss import val_loss
 from world import autocast, collective_failures_explained, place, process_group
 
 
@@ -91,7 +91,7 @@ def main(argv=None):
             error = str(e)
         agree_or_raise(error, world)
         if val is not None:
-            loss = evaluate(model, *val, model.config.block_size, args.batch_size, world, autocast(world), False)
+            loss = val_loss(model, *val, model.config.block_size, args.batch_size, world, autocast(world), False)
         score, _ = hellaswag.evaluate(model, examples, world, autocast(world),
                                       max(1, args.batch_size // hellaswag.ENDINGS), progress=world.is_master)
     if world.is_master:

@@ -46,6 +46,30 @@ class Logger:
             self.wandb = wandb.init(project=cfg.wandb_project, config=cfg.to_dict(), dir=cfg.out_dir,
                                     name=cfg.wandb_run_name or Path(cfg.out_dir).name)
 
+    @classmethod
+    def start(cls, run, meta: dict) -> "Logger":
+        """A run's log (silent on ranks other than 0), its files beside the checkpoints, a summary."""
+        import torch
+        cfg, world, raw_model = run.cfg, run.world, run.raw_model
+        on_gpu = world.device.type == "cuda"
+        log = cls(cfg, run.step if run.resumed_from else None, world.is_master, run.tokens_per_step,
+                  (lambda sequences, seconds: raw_model.estimate_mfu(sequences, seconds, cfg.peak_flops or None))
+                  if on_gpu else None)
+        log.write_run_files(cfg, meta, dict(
+            torch=torch.__version__, python=sys.version.split()[0], world_size=world.size,
+            device=torch.cuda.get_device_name(world.device) if on_gpu else world.device.type,
+            backend=world.backend, dtype=str(world.dtype).removeprefix("torch."), accumulation_steps=world.accum,
+            tokens_per_step=run.tokens_per_step, model=run.model_args))
+        log.say(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | tokens per optimizer step: "
+                f"{run.tokens_per_step:,} = {cfg.global_batch_size} sequences x {cfg.block_size} tokens "
+                f"({cfg.batch_size} per micro-batch x {world.size} processes x {world.accum} accumulation steps)")
+        if run.resumed_from:
+            log.say(f"resuming from {run.resumed_from} at step {run.step}")
+        elif cfg.init_from not in ("scratch", "resume"):
+            log.say(f"weights from {cfg.init_from}: {run.model_args['n_layer']} layers, {run.model_args['n_head']} "
+                    f"heads, {run.model_args['n_embd']} wide, positions cropped to {cfg.block_size}")
+        return log
+
     def write_run_files(self, cfg, meta: dict, run_info: dict):
         """config.json (the resolved config and how the run was launched) and the dataset's
         meta.json beside the checkpoints, so a run explains itself; and the config, printed."""

@@ -29,7 +29,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import checkpoint
 import parallel
@@ -39,14 +38,15 @@ from config import Config, resolve
 from data.dataset import split_shards
 from errors import CheckpointNotWritten, ConfigError, Diverged, LogNotWritten, first_line, reported
 from evals import hellaswag
-from loader import Dataset, ShardedTokenLoader, Tokens, dataset_dir, eval_starts, windows_to_batch
+from evals.loss import val_loss
+from loader import Dataset, ShardedTokenLoader, Tokens, dataset_dir, eval_starts
 from logger import Logger
 from model import GPT, GPTConfig
 from world import StopSignal, World, autocast, collective_failures_explained, process_group, setup, strip_local_rank
 
 
 # -----------------------------------------------------------------------------
-# schedule, evaluation, one optimizer step
+# schedule, one optimizer step
 
 def get_lr(step: int, cfg: Config) -> float:
     if not cfg.decay_lr:
@@ -59,34 +59,6 @@ def get_lr(step: int, cfg: Config) -> float:
         return min_lr
     progress = (step - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
     return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.learning_rate - min_lr)
-
-
-@torch.no_grad()
-def evaluate(model, tokens: Tokens, starts: np.ndarray, block_size: int, batch_size: int, world: World, autocast,
-             same_forwards: bool) -> float:
-    """Mean loss over fixed windows split across ranks; sums are all-reduced, so every rank agrees.
-    same_forwards (FSDP): every rank runs as many forwards as rank 0 (eval.py calls it too)."""
-    model.eval()
-    # (sum of token losses, token count, ranks that read a token id past the vocabulary)
-    totals = torch.zeros(3, dtype=torch.float32 if world.device.type == "mps" else torch.float64,
-                         device=world.device)
-    mine = starts[world.rank::world.size]
-    # FSDP gathers weights in every forward, so every rank runs as many as rank 0 (spares count 0)
-    n = len(starts[::world.size]) if same_forwards else len(mine)
-    for i in range(0, n, batch_size):
-        batch = mine[i:i + batch_size]
-        x, y = windows_to_batch(tokens, batch if len(batch) else starts[:1], block_size, world.device)
-        with autocast:
-            _, loss = model(x, y)
-        totals[0] += loss.to(totals.dtype) * y.numel() * (len(batch) > 0)
-        totals[1] += y.numel() * (len(batch) > 0)
-    totals[2] = tokens.bad is not None
-    if world.size > 1:
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-    if totals[2] > 0:  # no loss of a damaged split is reported: every rank stops with one message
-        raise ConfigError(first_error(tokens.bad, world))
-    model.train()
-    return (totals[0] / totals[1]).item()
 
 
 def accumulate_gradients(model, raw_model, loader, accum: int, autocast, scaler, sync: bool = True):
@@ -251,29 +223,6 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
 # -----------------------------------------------------------------------------
 # the loop
 
-def start_log(run: Run, meta: dict) -> Logger:
-    """Rank 0's log (a silent one elsewhere), the run's files beside the checkpoints, a summary."""
-    cfg, world, raw_model = run.cfg, run.world, run.raw_model
-    on_gpu = world.device.type == "cuda"
-    log = Logger(cfg, run.step if run.resumed_from else None, world.is_master, run.tokens_per_step,
-                 (lambda sequences, seconds: raw_model.estimate_mfu(sequences, seconds, cfg.peak_flops or None))
-                 if on_gpu else None)
-    log.write_run_files(cfg, meta, dict(
-        torch=torch.__version__, python=sys.version.split()[0], world_size=world.size,
-        device=torch.cuda.get_device_name(world.device) if on_gpu else world.device.type,
-        backend=world.backend, dtype=str(world.dtype).removeprefix("torch."), accumulation_steps=world.accum,
-        tokens_per_step=run.tokens_per_step, model=run.model_args))
-    log.say(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | tokens per optimizer step: "
-            f"{run.tokens_per_step:,} = {cfg.global_batch_size} sequences x {cfg.block_size} tokens "
-            f"({cfg.batch_size} per micro-batch x {world.size} processes x {world.accum} accumulation steps)")
-    if run.resumed_from:
-        log.say(f"resuming from {run.resumed_from} at step {run.step}")
-    elif pretrained.is_pretrained(cfg.init_from):
-        log.say(f"weights from {cfg.init_from}: {run.model_args['n_layer']} layers, {run.model_args['n_head']} "
-                f"heads, {run.model_args['n_embd']} wide, positions cropped to {cfg.block_size}")
-    return log
-
-
 def check_log(log: Logger, run: Run):
     """Rank 0 could not write its log files (a full disk): every rank stops, with one message."""
     if any_rank(log.failure is not None, run.world):
@@ -283,7 +232,7 @@ def check_log(log: Logger, run: Run):
 def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
     """Both splits' loss; then a checkpoint when one is due (never for the step a resume began at)."""
     cfg, world = run.cfg, run.world
-    losses = {split: evaluate(run.model, tokens, starts, cfg.block_size, cfg.batch_size, world, run.autocast,
+    losses = {split: val_loss(run.model, tokens, starts, cfg.block_size, cfg.batch_size, world, run.autocast,
                               parallel.is_fsdp(run.raw_model))
               for split, (tokens, starts) in run.eval_sets.items()}
     run.val_loss = losses["val"]
@@ -317,7 +266,7 @@ def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[s
     agree_or_raise(out_dir_error, world)  # rank 0 cannot use out_dir (busy, unwritable): every rank stops
     meta = dataset.ready(world)
     run = build_run(cfg, world, meta)
-    log = start_log(run, meta)
+    log = Logger.start(run, meta)
     check_log(log, run)
     start_step, stopped = run.step, 0  # stopped: the signal that stopped the run
     with StopSignal() as stop, collective_failures_explained(world, cfg.dist_timeout, lambda: f"step {run.step}"):
