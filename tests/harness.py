@@ -58,6 +58,13 @@ def args_for(data, out, **kw):
     return tiny_args(data, out, **{**base, **kw})
 
 
+def train_here(data_dir, out_dir, **overrides) -> dict:
+    """train.main on a tiny_args config, in this process."""
+    import train
+    from config import resolve
+    return train.main(resolve(tiny_args(data_dir, out_dir, **overrides)))
+
+
 def train_run(world_size, data, out, patch=None, **kw) -> list[dict]:
     """One args_for run on world_size processes (in this process when it is 1)."""
     import train
