@@ -41,6 +41,13 @@ def trained(char_data, tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def trained_copy(trained, tmp_path) -> Path:
+    """tmp_path/out: a copy of the trained run, free to damage."""
+    import shutil
+    return Path(shutil.copytree(trained, tmp_path / "out"))
+
+
+@pytest.fixture
 def script(monkeypatch, capsys):
     """script("train.py", *args): the script's __main__ in this process (harness.run_main)."""
     from harness import run_main

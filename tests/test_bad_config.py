@@ -8,6 +8,7 @@ dist_timeout and end as a failed rendezvous (exit 1), so these tests also show w
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import launch
 import train
 from config import Config
@@ -24,12 +26,10 @@ from harness import REPO, child_env, free_port, python, run_ranks, tiny_args, tr
 
 
 @pytest.fixture
-def copies(char_data, trained, tmp_path):
+def copies(char_data, trained_copy, tmp_path):
     """A data folder and an out folder (with last.pt) of our own, free to damage."""
-    data, out = tmp_path / "data", tmp_path / "out"
-    shutil.copytree(char_data, data)
-    shutil.copytree(trained, out)
-    return data, out
+    shutil.copytree(char_data, tmp_path / "data")
+    return tmp_path / "data", trained_copy
 
 
 def nothing_written(out_dir) -> bool:
@@ -319,6 +319,21 @@ def test_an_out_dir_rank_0_cannot_write_stops_every_rank_before_training(char_da
     assert (tmp_path / "rank0.txt").read_text().startswith(f"out_dir {taken} cannot be written (")
     assert (tmp_path / "rank1.txt").read_text() == (tmp_path / "rank0.txt").read_text()  # rank 0's own words
     assert taken.read_text() == "not a folder"
+
+
+def test_an_out_dir_in_use_or_that_cannot_be_written_is_one_line(char_data, tmp_path, script):
+    # in this process: the lock is an flock, which a second open file of the same process cannot take
+    busy = tmp_path / "busy"
+    with checkpoint.OutDirLock(busy, launch.World()):
+        proc = script("train.py", *tiny_args(char_data, busy, max_iters=2))
+    line, = proc.stderr.splitlines()
+    assert proc.returncode == 2 and f"out_dir {busy} is in use by the run started" in line, proc.stderr
+    assert f"pid {os.getpid()} " in line and "another --out_dir" in line
+    taken = tmp_path / "a_file"
+    taken.write_text("not a folder")
+    proc = script("train.py", *tiny_args(char_data, taken))
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: out_dir {taken} cannot be written ("), proc.stderr
+    assert proc.stderr.count("\n") == 1 and taken.read_text() == "not a folder"
 
 
 def test_help_lists_every_config_name_with_its_default(capsys):

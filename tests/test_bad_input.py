@@ -18,12 +18,6 @@ from harness import tiny_args, train_here
 from model import GPT
 
 
-def fresh_copy(trained, tmp_path):
-    out = tmp_path / "out"
-    shutil.copytree(trained, out)
-    return out
-
-
 def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint(char_data, tmp_path,
                                                                                  monkeypatch):
     # a hook outside train.py's loop: the optimizer's 6th step leaves a NaN in the weights,
@@ -66,9 +60,9 @@ def test_an_absurd_learning_rate_stops_the_run_with_exit_1_and_saves_nothing(cha
 
 
 @pytest.mark.parametrize("damage", ["truncated", "random bytes"])
-def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained, tmp_path, char_data,
+def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained_copy, tmp_path, char_data,
                                                                          capsys, damage):
-    out = fresh_copy(trained, tmp_path)
+    out = trained_copy
     last = out / "last.pt"
     data = last.read_bytes()
     last.write_bytes(data[: len(data) // 2] if damage == "truncated" else os.urandom(len(data)))
@@ -85,8 +79,8 @@ def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained
     ("other shape", "holds another model shape"),
     ("unknown format", "checkpoint format 99 is not 1"),
 ])
-def test_bad_checkpoints_are_clear_errors_naming_the_file(trained, tmp_path, script, problem, message):
-    out = fresh_copy(trained, tmp_path)
+def test_bad_checkpoints_are_clear_errors_naming_the_file(trained_copy, tmp_path, script, problem, message):
+    out = trained_copy
     path = tmp_path / "given.pt"
     overrides = {}
     if problem == "random bytes":
@@ -97,7 +91,7 @@ def test_bad_checkpoints_are_clear_errors_naming_the_file(trained, tmp_path, scr
     elif problem == "unknown format":
         ckpt = torch.load(out / "last.pt", weights_only=True)
         torch.save({**ckpt, "format": 99}, path)
-    proc = script("train.py", *tiny_args(data_dir_of(trained), out, resume=str(path), **overrides))
+    proc = script("train.py", *tiny_args(data_dir_of(out), out, resume=str(path), **overrides))
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and str(path) in proc.stderr and "Traceback" not in proc.stderr
 
@@ -113,8 +107,8 @@ class Exploit:
         return (os.system, ("touch /tmp/gpt-train-pwned",))
 
 
-def test_a_checkpoint_that_would_run_code_is_refused(trained, tmp_path):
-    out = fresh_copy(trained, tmp_path)
+def test_a_checkpoint_that_would_run_code_is_refused(trained_copy, tmp_path):
+    out = trained_copy
     ckpt = torch.load(out / "last.pt", weights_only=True)
     torch.save({**ckpt, "config": Exploit()}, out / "last.pt")
     if os.path.exists("/tmp/gpt-train-pwned"):
@@ -124,9 +118,9 @@ def test_a_checkpoint_that_would_run_code_is_refused(trained, tmp_path):
     assert not os.path.exists("/tmp/gpt-train-pwned")
 
 
-def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temporaries(trained, tmp_path,
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temporaries(trained_copy, tmp_path,
                                                                                    monkeypatch):
-    out = fresh_copy(trained, tmp_path)
+    out = trained_copy
     before = (out / "last.pt").read_bytes()
     real_save = torch.save
 
@@ -142,7 +136,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temporar
     assert not list(out.glob(".*.tmp"))
     # the same failure inside a run: a message, and the run's last good checkpoint stays
     with pytest.raises(RunError, match="could not write a checkpoint at step 12.*No space left"):
-        train_here(data_dir_of(trained), out, max_iters=12, eval_interval=12, resume="auto")
+        train_here(data_dir_of(out), out, max_iters=12, eval_interval=12, resume="auto")
     assert (out / "last.pt").read_bytes() == before
     assert not list(out.glob(".*.tmp"))
 

@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 
 from harness import (REPO, assert_same_weights, child_env, ckpt, make_char_dataset, no_temporaries, python, run,
-                     start, tiny_args, torchrun, train_py, wait_for_line)
+                     start, tiny_args, torchrun, train_here, train_py, wait_for_line)
 
-pytestmark = pytest.mark.slow
 STEPS = 40
 
 
@@ -38,6 +37,7 @@ def uninterrupted(char_data, tmp_path_factory):
 
 # --- kill -9 ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sigkill_at_a_random_moment_then_resume(char_data, tmp_path, uninterrupted, seed):
     proc = start(train_py(args_for(char_data, tmp_path)))
@@ -52,6 +52,7 @@ def test_sigkill_at_a_random_moment_then_resume(char_data, tmp_path, uninterrupt
     assert no_temporaries(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moment", ["open", "rename"])
 def test_sigkill_inside_a_checkpoint_write_then_resume(char_data, tmp_path, uninterrupted, moment):
     faults = REPO / "tests" / "faults"
@@ -69,6 +70,7 @@ def test_sigkill_inside_a_checkpoint_write_then_resume(char_data, tmp_path, unin
 
 # --- Ctrl-C -------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_sigint_stops_a_single_process_at_a_step_with_a_checkpoint(char_data, tmp_path, uninterrupted):
     proc = start(train_py(args_for(char_data, tmp_path)))
     wait_for_line(proc, "step 5:")
@@ -83,6 +85,7 @@ def test_sigint_stops_a_single_process_at_a_step_with_a_checkpoint(char_data, tm
 
 # --- two runs, one out_dir ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_second_run_into_a_busy_out_dir_stops_and_the_first_goes_on(char_data, tmp_path):
     args = args_for(char_data, tmp_path, max_iters=100_000, eval_interval=5, lr_decay_iters=100_000)
     first = start(train_py(args))
@@ -105,6 +108,7 @@ def test_a_second_run_into_a_busy_out_dir_stops_and_the_first_goes_on(char_data,
     assert steps == sorted(set(steps))  # one writer: no step twice
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_killed_run_does_not_block(char_data, tmp_path):
     holder = start([sys.executable, "-c", "import sys, time, checkpoint, launch\n"
                     f"lock = checkpoint.OutDirLock({str(tmp_path)!r}, launch.World())\n"
@@ -139,21 +143,24 @@ def corrupt(path: Path, positions: list, value: int = 999):
     tokens.flush()
 
 
+def big_overrides(**kw):
+    return {"batch_size": 32, "global_batch_size": 64, "max_iters": 400, "eval_interval": 1000, "resume": "auto", **kw}
+
+
 def big_args(data, out, **kw):
-    return tiny_args(data, out, **{"batch_size": 32, "global_batch_size": 64, "max_iters": 400,
-                                   "eval_interval": 1000, "resume": "auto", **kw})
+    return tiny_args(data, out, **big_overrides(**kw))
 
 
 @pytest.fixture(scope="module")
 def big_run(big_data, tmp_path_factory):
     """10 good steps on big_data, saved: what a corrupt file later interrupts."""
     out = tmp_path_factory.mktemp("big_run") / "out"
-    run(train_py(big_args(big_data, out, max_iters=10, eval_interval=10)))
+    train_here(big_data, out, **big_overrides(max_iters=10, eval_interval=10))
     return out
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_a_bad_token_id_anywhere_in_train_ends_every_rank_with_one_line(big_data, big_run, tmp_path, nproc):
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_bad_token_id_anywhere_in_train_ends_every_rank_with_one_line(big_data, big_run, tmp_path, script, nproc):
     data = tmp_path / "data"
     data.mkdir()
     for name in ("train.bin", "val.bin", "meta.json"):
@@ -162,9 +169,9 @@ def test_a_bad_token_id_anywhere_in_train_ends_every_rank_with_one_line(big_data
     saved = (tmp_path / "out" / "last.pt").read_bytes()
     positions = unsampled_positions((data / "train.bin").stat().st_size // 2)
     corrupt(data / "train.bin", positions)
-    args = big_args(data, tmp_path / "out")
-    proc = subprocess.run(torchrun(args) if nproc == 2 else train_py(args), cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=300)
+    args = big_args(data, tmp_path / "out")  # one process runs in this one, two under torchrun
+    proc = script("train.py", *args) if nproc == 1 else subprocess.run(
+        torchrun(args), cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0, proc.stdout
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == nproc and len(set(errors)) == 1, proc.stderr  # every rank, the same line
@@ -176,7 +183,7 @@ def test_a_bad_token_id_anywhere_in_train_ends_every_rank_with_one_line(big_data
     assert (tmp_path / "out" / "last.pt").read_bytes() == saved  # nothing was saved after the bad batch
 
 
-def test_a_bad_token_id_in_val_is_found_at_the_first_eval(big_data, tmp_path):
+def test_a_bad_token_id_in_val_is_found_at_the_first_eval(big_data, tmp_path, script):
     data = tmp_path / "data"
     data.mkdir()
     (data / "train.bin").write_bytes((big_data / "train.bin").read_bytes())
@@ -186,7 +193,7 @@ def test_a_bad_token_id_in_val_is_found_at_the_first_eval(big_data, tmp_path):
     positions = unsampled_positions(meta["train_tokens"], 1)
     corrupt(data / "val.bin", positions)
     # 300 x 64 eval windows exceed the 16,900 windows val holds: the eval reads all of it
-    proc = python("train.py", *big_args(data, tmp_path / "out", eval_iters=300))
+    proc = script("train.py", *big_args(data, tmp_path / "out", eval_iters=300))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith(f"error: {data / 'val.bin'} holds token id 999 at token position {positions[0]:,}")
     assert not (tmp_path / "out" / "last.pt").exists()

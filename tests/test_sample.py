@@ -1,7 +1,6 @@
 """sample.py on a checkpoint from a short run, in this process (its __main__ run by runpy)."""
 
 import os
-import shutil
 
 import pytest
 import torch
@@ -77,12 +76,6 @@ def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, m
     assert err.count("\n") == 1
 
 
-def copy_run(trained, tmp_path):
-    out = tmp_path / "out"
-    shutil.copytree(trained, out)
-    return out
-
-
 @pytest.mark.parametrize("damage, message", [
     (lambda out: (out / "best.pt").unlink() or (out / "last.pt").unlink(), "no best.pt or last.pt in"),
     (lambda out: (out / "meta.json").unlink(), "meta.json is missing: train.py writes it"),
@@ -92,16 +85,16 @@ def copy_run(trained, tmp_path):
     (lambda out: torch.save({"model": 1}, out / "best.pt") or (out / "last.pt").unlink(),
      "best.pt is not a GPT checkpoint of this repo (KeyError"),
 ])
-def test_a_broken_out_dir_is_a_clear_error(trained, tmp_path, sample, damage, message):
-    out = copy_run(trained, tmp_path)
+def test_a_broken_out_dir_is_a_clear_error(trained_copy, tmp_path, sample, damage, message):
+    out = trained_copy
     damage(out)
     proc = sample(f"--out_dir={out}")
     code, err = proc.returncode, proc.stderr
     assert code == 2 and err.splitlines()[-1].startswith("error: ") and message in err, err
 
 
-def test_a_damaged_best_checkpoint_falls_back_to_last(trained, tmp_path, sample):
-    out = copy_run(trained, tmp_path)
+def test_a_damaged_best_checkpoint_falls_back_to_last(trained_copy, tmp_path, sample):
+    out = trained_copy
     write(out / "best.pt", os.urandom(5000))
     proc = sample(f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=5")
     assert proc.returncode == 0, proc.stderr
