@@ -164,7 +164,9 @@ def test_a_full_disk_leaves_the_previous_checkpoint_loadable(trained, tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
-def test_float16_overflow_is_skipped_by_the_scaler_and_the_run_goes_on(char_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_float16_overflow_is_skipped_by_the_scaler_and_the_run_goes_on(char_data, tmp_path, monkeypatch, device):
     # A scale far too high, as at the start of any float16 run but more so: the first steps'
     # scaled gradients overflow float16; the scaler must skip them (halving its scale each
     # time) and the run must neither stop nor count them as divergence.
@@ -176,7 +178,7 @@ def test_float16_overflow_is_skipped_by_the_scaler_and_the_run_goes_on(char_data
             scalers.append(self)
 
     monkeypatch.setattr(torch.amp, "GradScaler", HighScaler)
-    result = train_here(char_data, tmp_path, max_iters=40, eval_interval=40, dtype="float16")
+    result = train_here(char_data, tmp_path, max_iters=40, eval_interval=40, dtype="float16", device=device)
     skipped = 40 - math.log2(scalers[0].get_scale())  # growth would take 2000 clean steps
     log = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in log if "loss" in r]
