@@ -21,6 +21,15 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """train.main gives its process a share of the host's cores (launch.use_device: both of a
+    2-core machine for one process). Here that process is pytest, shared by every later test,
+    and two threads for a tiny model on a busy machine make each op wait for the other thread:
+    in this process torch keeps the one thread pytest_configure set."""
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+
+
 @pytest.fixture(scope="session")
 def char_data(tmp_path_factory) -> Path:
     """A small, learnable character corpus prepared by the real prepare script."""
