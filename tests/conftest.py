@@ -1,4 +1,5 @@
-"""Shared fixtures: the repo on sys.path, one thread per process, a small char dataset."""
+"""Shared fixtures: the repo on sys.path, one thread per process, a small char dataset and a run
+trained on it, and scripts run in this process (tests/harness.py holds the helpers)."""
 
 import sys
 from pathlib import Path
@@ -20,8 +21,43 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """train.main gives its process a share of the host's cores (launch.use_device: both of a
+    2-core machine for one process). Here that process is pytest, shared by every later test,
+    and two threads for a tiny model on a busy machine make each op wait for the other thread:
+    in this process torch keeps the one thread pytest_configure set."""
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+
+
 @pytest.fixture(scope="session")
 def char_data(tmp_path_factory) -> Path:
     """A small, learnable character corpus prepared by the real prepare script."""
     from harness import make_char_dataset
     return make_char_dataset(tmp_path_factory.mktemp("char_data"))
+
+
+@pytest.fixture(scope="session")
+def trained(char_data, tmp_path_factory) -> Path:
+    """A finished 10-step run (in this process): last.pt at step 10, previous.pt at step 5.
+    Read it, or copy it before damaging anything."""
+    import train
+    from config import resolve
+    from harness import tiny_args
+    out = tmp_path_factory.mktemp("trained")
+    train.main(resolve(tiny_args(char_data, out, max_iters=10, eval_interval=5)))
+    return out
+
+
+@pytest.fixture
+def trained_copy(trained, tmp_path) -> Path:
+    """tmp_path/out: a copy of the trained run, free to damage."""
+    import shutil
+    return Path(shutil.copytree(trained, tmp_path / "out"))
+
+
+@pytest.fixture
+def script(monkeypatch, capsys):
+    """script("train.py", *args): the script's __main__ in this process (harness.run_main)."""
+    from harness import run_main
+    return lambda path, *args: run_main(path, args, monkeypatch, capsys)

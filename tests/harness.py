@@ -1,17 +1,27 @@
-"""Helpers that launch training the ways users do and watch what each rank writes."""
+"""The tests' one set of helpers: tiny configs and datasets, training launched the ways users
+launch it (in this process, torchrun, spawned ranks, hand-set variables), a script's __main__ run
+in this process, and what runs wrote (checkpoints, metrics, logs)."""
 
 import json
 import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import torch
 import torch.multiprocessing as mp
 
 from world import free_port  # noqa: F401  (the tests' port picker too)
 
 REPO = Path(__file__).resolve().parent.parent
+EXPECTED_FILES = ["best.pt", "config.json", "last.pt", "meta.json", "metrics.jsonl", "previous.pt", "run.lock"]
+SEPARATOR = "---------------"  # between sample.py's samples
+
+# Distributed comparisons (tests/test_distributed.py's docstring explains the tolerances)
+LOG_RTOL, WEIGHT_ATOL = 1e-5, 1e-5
+STEPS = 8
 
 
 def make_char_dataset(folder: Path, n_chars: int = 60_000) -> Path:
@@ -41,6 +51,29 @@ def tiny_args(data_dir: Path, out_dir: Path, **overrides) -> list[str]:
     return [f"--{k}={v}" for k, v in cfg.items()]
 
 
+def args_for(data, out, **kw):
+    """tiny_args for the distributed comparisons: STEPS steps of a bias-free model, global batch 16."""
+    base = dict(bias=False, batch_size=4, global_batch_size=16, max_iters=STEPS, lr_decay_iters=STEPS,
+                eval_interval=4, log_interval=1)
+    return tiny_args(data, out, **{**base, **kw})
+
+
+def train_here(data_dir, out_dir, **overrides) -> dict:
+    """train.main on a tiny_args config, in this process."""
+    import train
+    from config import resolve
+    return train.main(resolve(tiny_args(data_dir, out_dir, **overrides)))
+
+
+def train_run(world_size, data, out, patch=None, **kw) -> list[dict]:
+    """One args_for run on world_size processes (in this process when it is 1)."""
+    import train
+    from config import resolve
+    args = args_for(data, out, **kw)
+    if world_size == 1:
+        return [train.main(resolve(args))]
+    return run_world(world_size, args, Path(str(out) + "-results"), patch)
+
 
 def child_env(audit_dir: Path = None, watch: Path = None, **extra) -> dict:
     """Environment for a launched process: one thread, and optionally a write audit."""
@@ -64,10 +97,62 @@ def audited_writes(audit_dir: Path) -> list[tuple[str, str, str]]:
     return rows
 
 
-def run(cmd: list[str], env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+def run(cmd: list[str], env: dict = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a command to success (in the repo, with child_env() unless env is given)."""
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env() if env is None else env, capture_output=True,
+                          text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc
+
+
+def python(*args, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    """`python ARGS` in the repo, whatever its exit status."""
+    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=child_env(**env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def train_py(args) -> list[str]:
+    return [sys.executable, "train.py", *args]
+
+
+def torchrun(args, nproc: int = 2, extra=()) -> list[str]:
+    """The command line of `torchrun --standalone --nproc_per_node=N train.py ARGS`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra,
+            "train.py", *args]
+
+
+def start(cmd, **env) -> subprocess.Popen:
+    """Start a command in the repo; its stdout and stderr come together, as text."""
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env(**env), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+
+
+def wait_for_line(proc, prefix: str) -> list:
+    """Read the process's output until a line starts with prefix (what it printed so far)."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+    raise AssertionError(f"the run ended (status {proc.wait()}) before printing {prefix!r}:\n{''.join(lines)}")
+
+
+def wait_for(predicate, proc=None, timeout=60.0, what="condition"):
+    """Poll predicate() until true; fail if proc ends first or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while not (result := predicate()):
+        assert proc is None or proc.poll() is None, f"the run ended (status {proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return result
+
+
+def logged_step(out_dir) -> int:
+    """The last step in metrics.jsonl, -1 before there is one; a line still being written is skipped."""
+    path = Path(out_dir) / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
+    return max((json.loads(line)["step"] for line in lines if line.strip()), default=-1)
 
 
 def run_manual_ranks(args: list[str], world_size: int, env: dict, timeout: float = 300) -> list:
@@ -94,6 +179,42 @@ def run_manual_ranks(args: list[str], world_size: int, env: dict, timeout: float
 
 def metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_log(out) -> list:
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(out) if "loss" in r]
+
+
+def ckpt(out_dir, name: str = "last.pt") -> dict:
+    return torch.load(Path(out_dir) / name, weights_only=True)
+
+
+def assert_same_weights(a: dict, b: dict):
+    """Two checkpoints at the same step with bit-identical weights."""
+    assert a["step"] == b["step"]
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a["model"].keys() == b["model"].keys()
+    return max((a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"])
+
+
+def assert_close_runs(a, b):
+    """Two out dirs within the world-size tolerances: logged losses and grad norms, then weights."""
+    la, lb = train_log(a), train_log(b)
+    assert [r[0] for r in la] == [r[0] for r in lb]
+    torch.testing.assert_close(torch.tensor([r[1:] for r in la]), torch.tensor([r[1:] for r in lb]),
+                               rtol=LOG_RTOL, atol=0)
+    wa, wb = ckpt(a)["model"], ckpt(b)["model"]
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=WEIGHT_ATOL,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def no_temporaries(out_dir) -> bool:
+    return not [p.name for p in Path(out_dir).iterdir() if p.name.endswith(".tmp")]
 
 
 def _rank_entry(rank: int, world_size: int, port: int, fn, args: tuple):
@@ -149,3 +270,61 @@ def shard_dataset(source: Path, folder: Path, parts=(0.5, 0.3, 0.2)) -> Path:
             splits[split].append({"file": name, "tokens": int(b - a), "sha256": write_shard(folder / name, tokens[a:b])})
     (folder / "meta.json").write_text(json.dumps({**meta, "shards": splits}))
     return folder
+
+
+def record_epochs(rank):
+    """A run_world patch: log every set_epoch call and every micro-batch's window starts to
+    $EPOCH_LOG.rank."""
+    import loader as loader_module
+    log = Path(os.environ["EPOCH_LOG"] + f".{rank}")
+    original_set_epoch = loader_module.ShardedTokenLoader.set_epoch
+    original_rank_starts = loader_module.ShardedTokenLoader.rank_starts
+
+    def set_epoch(self, epoch):
+        with open(log, "a") as f:
+            f.write(json.dumps({"set_epoch": epoch}) + "\n")
+        original_set_epoch(self, epoch)
+
+    def rank_starts(self):
+        starts = original_rank_starts(self)
+        with open(log, "a") as f:
+            f.write(json.dumps({"epoch": self.epoch, "starts": starts.tolist()}) + "\n")
+        return starts
+
+    loader_module.ShardedTokenLoader.set_epoch = set_epoch
+    loader_module.ShardedTokenLoader.rank_starts = rank_starts
+
+
+def read_epochs(log_prefix, world_size: int = 2):
+    """What record_epochs logged: the (rank, epoch) set_epoch calls, and each epoch's window starts."""
+    per_epoch, calls = {}, []
+    for rank in range(world_size):
+        for line in Path(f"{log_prefix}.{rank}").read_text().splitlines():
+            event = json.loads(line)
+            if "set_epoch" in event:
+                calls.append((rank, event["set_epoch"]))
+            else:
+                per_epoch.setdefault(event["epoch"], []).extend(event["starts"])
+    return calls, per_epoch
+
+
+class Ran:
+    """What a script run in this process did, read like subprocess.CompletedProcess."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def run_main(script: str, args, monkeypatch, capsys) -> Ran:
+    """`python SCRIPT ARGS` without a new interpreter: the script's own __main__ block runs in this
+    process (runpy), with sys.argv set; its exit status, stdout and stderr."""
+    import runpy
+    monkeypatch.setattr(sys, "argv", [script, *map(str, args)])
+    capsys.readouterr()
+    try:
+        runpy.run_path(str(REPO / script), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out, err = capsys.readouterr()
+    return Ran(code, out, err)

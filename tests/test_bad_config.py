@@ -8,36 +8,28 @@ dist_timeout and end as a failed rendezvous (exit 1), so these tests also show w
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import launch
 import train
-from config import Config, resolve
-from harness import REPO, child_env, free_port, tiny_args
-
-
-@pytest.fixture(scope="module")
-def trained(char_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("trained")
-    train.main(resolve(tiny_args(char_data, out, max_iters=4, eval_interval=2)))
-    return out
+from config import Config
+from harness import REPO, child_env, free_port, python, run_ranks, tiny_args, train_py
 
 
 @pytest.fixture
-def copies(char_data, trained, tmp_path):
+def copies(char_data, trained_copy, tmp_path):
     """A data folder and an out folder (with last.pt) of our own, free to damage."""
-    data, out = tmp_path / "data", tmp_path / "out"
-    shutil.copytree(char_data, data)
-    shutil.copytree(trained, out)
-    return data, out
+    shutil.copytree(char_data, tmp_path / "data")
+    return tmp_path / "data", trained_copy
 
 
 def nothing_written(out_dir) -> bool:
@@ -224,8 +216,7 @@ def test_a_dataset_with_another_vocabulary_than_the_checkpoint_is_refused(copies
 
 def launch_two_ranks(args, timeout=60):
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    procs = [subprocess.Popen(train_py(args), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env=child_env(RANK=r, WORLD_SIZE=2, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1",
                                             MASTER_PORT=port))
              for r in range(2)]
@@ -236,6 +227,7 @@ def launch_two_ranks(args, timeout=60):
             p.kill()
 
 
+@pytest.mark.slow
 def test_two_launched_ranks_both_exit_2_and_debug_shows_the_traceback(char_data, tmp_path):
     args = tiny_args(char_data, tmp_path / "out", dist_timeout=30) + ["--n_embd=33"]
     started = time.monotonic()
@@ -251,17 +243,17 @@ def test_two_launched_ranks_both_exit_2_and_debug_shows_the_traceback(char_data,
     assert nothing_written(tmp_path / "out")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("problem, message", [
     ("--n_embd=33", "n_embd (33) must be divisible by n_head (2)"),  # found by the launcher
     ("--block_size=7000", "block_size (7000) is too long for the val split"),  # found by the ranks
 ])
 def test_train_spawn_exits_2_and_debug_shows_the_traceback(char_data, tmp_path, problem, message):
-    args = [sys.executable, "train_spawn.py", "--nproc=2", *tiny_args(char_data, tmp_path / "out"), problem]
-    quiet = subprocess.run(args, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    args = ["train_spawn.py", "--nproc=2", *tiny_args(char_data, tmp_path / "out"), problem]
+    quiet = python(*args, timeout=120)
     assert quiet.returncode == 2 and f"error: {message}" in quiet.stderr, quiet.stderr
     assert "Traceback" not in quiet.stderr
-    loud = subprocess.run(args + ["--debug"], cwd=REPO, env=child_env(), capture_output=True, text=True,
-                          timeout=120)
+    loud = python(*args, "--debug", timeout=120)
     assert loud.returncode == 2 and "Traceback (most recent call last)" in loud.stderr, loud.stderr
     assert nothing_written(tmp_path / "out")
 
@@ -283,10 +275,10 @@ def _train_rank_recording_config_errors(rank, world_size, args, result_dir, dama
     (result_dir / f"rank{rank}.txt").write_text(message)
 
 
+@pytest.mark.slow
 def test_data_found_bad_after_preparing_on_one_host_stops_every_rank(char_data, tmp_path):
     # The data is missing, so it passes the check before the process group forms; local rank 0
     # prepares it, and then one rank's check fails: both must stop, neither may wait for the other.
-    from harness import run_ranks
     fresh = tmp_path / "fresh"
     args = tiny_args(fresh, tmp_path / "out", prepare_input=char_data.parent / "input_text.txt",
                      dist_timeout=60)
@@ -299,6 +291,7 @@ def test_data_found_bad_after_preparing_on_one_host_stops_every_rank(char_data, 
     assert nothing_written(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_a_prepare_that_fails_on_local_rank_0_stops_every_rank(tmp_path):
     # the input exists (so the check before the group passes) but is not UTF-8: preparing fails
     # on local rank 0 while rank 1 waits for it
@@ -307,7 +300,6 @@ def test_a_prepare_that_fails_on_local_rank_0_stops_every_rank(tmp_path):
     fresh = tmp_path / "fresh"
     args = tiny_args(fresh, tmp_path / "out", prepare_input=latin1, dist_timeout=60)
     started = time.monotonic()
-    from harness import run_ranks
     run_ranks(_train_rank_recording_config_errors, 2, args, tmp_path, False)
     assert time.monotonic() - started < 50
     assert (tmp_path / "rank0.txt").read_text() == (
@@ -318,15 +310,30 @@ def test_a_prepare_that_fails_on_local_rank_0_stops_every_rank(tmp_path):
     assert not (fresh / "meta.json").exists() and nothing_written(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_an_out_dir_rank_0_cannot_write_stops_every_rank_before_training(char_data, tmp_path):
     taken = tmp_path / "a_file"
     taken.write_text("not a folder")
-    from harness import run_ranks
     run_ranks(_train_rank_recording_config_errors, 2, tiny_args(char_data, taken, dist_timeout=60),
               tmp_path, False)
     assert (tmp_path / "rank0.txt").read_text().startswith(f"out_dir {taken} cannot be written (")
     assert (tmp_path / "rank1.txt").read_text() == (tmp_path / "rank0.txt").read_text()  # rank 0's own words
     assert taken.read_text() == "not a folder"
+
+
+def test_an_out_dir_in_use_or_that_cannot_be_written_is_one_line(char_data, tmp_path, script):
+    # in this process: the lock is an flock, which a second open file of the same process cannot take
+    busy = tmp_path / "busy"
+    with checkpoint.OutDirLock(busy, launch.World()):
+        proc = script("train.py", *tiny_args(char_data, busy, max_iters=2))
+    line, = proc.stderr.splitlines()
+    assert proc.returncode == 2 and f"out_dir {busy} is in use by the run started" in line, proc.stderr
+    assert f"pid {os.getpid()} " in line and "another --out_dir" in line
+    taken = tmp_path / "a_file"
+    taken.write_text("not a folder")
+    proc = script("train.py", *tiny_args(char_data, taken))
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: out_dir {taken} cannot be written ("), proc.stderr
+    assert proc.stderr.count("\n") == 1 and taken.read_text() == "not a folder"
 
 
 def test_help_lists_every_config_name_with_its_default(capsys):

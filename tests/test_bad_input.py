@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,31 +14,8 @@ import checkpoint
 import train
 from config import resolve
 from errors import ConfigError, RunError
+from harness import tiny_args, train_here
 from model import GPT
-from harness import REPO, child_env, tiny_args
-
-
-def run(data_dir, out_dir, **overrides):
-    return train.main(resolve(tiny_args(data_dir, out_dir, **overrides)))
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def trained(char_data, tmp_path_factory):
-    """A finished 10-step run with last.pt (step 10) and previous.pt (step 5)."""
-    out = tmp_path_factory.mktemp("trained")
-    run(char_data, out, max_iters=10, eval_interval=5)
-    return out
-
-
-def fresh_copy(trained, tmp_path):
-    out = tmp_path / "out"
-    shutil.copytree(trained, out)
-    return out
 
 
 def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint(char_data, tmp_path,
@@ -66,7 +42,7 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoin
     monkeypatch.setattr(GPT, "configure_optimizers", poisoned)
     with pytest.raises(RunError, match=r"training loss is nan at step 7\..*learning_rate=0.003.*"
                                               r"last\.pt holds step 4, the last good one"):
-        run(char_data, tmp_path, max_iters=20, eval_interval=4)
+        train_here(char_data, tmp_path, max_iters=20, eval_interval=4)
     ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
     assert ckpt["step"] == 4 and all(torch.isfinite(w).all() for w in ckpt["model"].values())
     assert not list(tmp_path.glob(".*.tmp"))
@@ -84,13 +60,13 @@ def test_an_absurd_learning_rate_stops_the_run_with_exit_1_and_saves_nothing(cha
 
 
 @pytest.mark.parametrize("damage", ["truncated", "random bytes"])
-def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained, tmp_path, char_data,
+def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained_copy, tmp_path, char_data,
                                                                          capsys, damage):
-    out = fresh_copy(trained, tmp_path)
+    out = trained_copy
     last = out / "last.pt"
     data = last.read_bytes()
     last.write_bytes(data[: len(data) // 2] if damage == "truncated" else os.urandom(len(data)))
-    result = run(char_data, out, max_iters=10, eval_interval=5, resume="auto")
+    result = train_here(char_data, out, max_iters=10, eval_interval=5, resume="auto")
     printed = capsys.readouterr().out
     assert f"cannot read checkpoint {last}" in printed and "previous.pt" in printed
     assert "resuming from" in printed and "at step 5" in printed
@@ -103,8 +79,8 @@ def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained
     ("other shape", "holds another model shape"),
     ("unknown format", "checkpoint format 99 is not 1"),
 ])
-def test_bad_checkpoints_are_clear_errors_naming_the_file(trained, tmp_path, problem, message):
-    out = fresh_copy(trained, tmp_path)
+def test_bad_checkpoints_are_clear_errors_naming_the_file(trained_copy, tmp_path, script, problem, message):
+    out = trained_copy
     path = tmp_path / "given.pt"
     overrides = {}
     if problem == "random bytes":
@@ -115,7 +91,7 @@ def test_bad_checkpoints_are_clear_errors_naming_the_file(trained, tmp_path, pro
     elif problem == "unknown format":
         ckpt = torch.load(out / "last.pt", weights_only=True)
         torch.save({**ckpt, "format": 99}, path)
-    proc = cli(*tiny_args(data_dir_of(trained), out, resume=str(path), **overrides))
+    proc = script("train.py", *tiny_args(data_dir_of(out), out, resume=str(path), **overrides))
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and str(path) in proc.stderr and "Traceback" not in proc.stderr
 
@@ -131,8 +107,8 @@ class Exploit:
         return (os.system, ("touch /tmp/gpt-train-pwned",))
 
 
-def test_a_checkpoint_that_would_run_code_is_refused(trained, tmp_path):
-    out = fresh_copy(trained, tmp_path)
+def test_a_checkpoint_that_would_run_code_is_refused(trained_copy, tmp_path):
+    out = trained_copy
     ckpt = torch.load(out / "last.pt", weights_only=True)
     torch.save({**ckpt, "config": Exploit()}, out / "last.pt")
     if os.path.exists("/tmp/gpt-train-pwned"):
@@ -142,9 +118,9 @@ def test_a_checkpoint_that_would_run_code_is_refused(trained, tmp_path):
     assert not os.path.exists("/tmp/gpt-train-pwned")
 
 
-def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temporaries(trained, tmp_path,
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temporaries(trained_copy, tmp_path,
                                                                                    monkeypatch):
-    out = fresh_copy(trained, tmp_path)
+    out = trained_copy
     before = (out / "last.pt").read_bytes()
     real_save = torch.save
 
@@ -160,11 +136,12 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temporar
     assert not list(out.glob(".*.tmp"))
     # the same failure inside a run: a message, and the run's last good checkpoint stays
     with pytest.raises(RunError, match="could not write a checkpoint at step 12.*No space left"):
-        run(data_dir_of(trained), out, max_iters=12, eval_interval=12, resume="auto")
+        train_here(data_dir_of(out), out, max_iters=12, eval_interval=12, resume="auto")
     assert (out / "last.pt").read_bytes() == before
     assert not list(out.glob(".*.tmp"))
 
 
+@pytest.mark.slow  # mount and umount are processes
 def test_a_full_disk_leaves_the_previous_checkpoint_loadable(trained, tmp_path):
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
@@ -187,7 +164,9 @@ def test_a_full_disk_leaves_the_previous_checkpoint_loadable(trained, tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
-def test_float16_overflow_is_skipped_by_the_scaler_and_the_run_goes_on(char_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_float16_overflow_is_skipped_by_the_scaler_and_the_run_goes_on(char_data, tmp_path, monkeypatch, device):
     # A scale far too high, as at the start of any float16 run but more so: the first steps'
     # scaled gradients overflow float16; the scaler must skip them (halving its scale each
     # time) and the run must neither stop nor count them as divergence.
@@ -199,7 +178,7 @@ def test_float16_overflow_is_skipped_by_the_scaler_and_the_run_goes_on(char_data
             scalers.append(self)
 
     monkeypatch.setattr(torch.amp, "GradScaler", HighScaler)
-    result = run(char_data, tmp_path, max_iters=40, eval_interval=40, dtype="float16")
+    result = train_here(char_data, tmp_path, max_iters=40, eval_interval=40, dtype="float16", device=device)
     skipped = 40 - math.log2(scalers[0].get_scale())  # growth would take 2000 clean steps
     log = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in log if "loss" in r]

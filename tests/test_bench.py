@@ -2,14 +2,12 @@
 measured and consistent, never against a speed)."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from harness import REPO, child_env, run, tiny_args
+from harness import run, train_here
 
-pytestmark = pytest.mark.slow
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -27,10 +25,11 @@ def report(tmp_path_factory):
     tiny = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--global_batch_size=8",
             "--dtype=float32", "--device=cpu"]
     proc = run([sys.executable, "bench.py", *tiny, "--nproc=1,2", "--strategies=ddp,fsdp", "--steps=2", "--warmup=1",
-                f"--report={folder}"], child_env(), timeout=600)
+                f"--report={folder}"], timeout=600)
     return folder, proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_writes_json_markdown_and_png(report):
     folder, stdout = report
     data = json.loads((folder / "bench.json").read_text())
@@ -43,6 +42,7 @@ def test_bench_writes_json_markdown_and_png(report):
     assert "report:" in stdout
 
 
+@pytest.mark.slow
 def test_bench_figures_are_positive_and_consistent(report):
     folder, _ = report
     for r in json.loads((folder / "bench.json").read_text())["runs"]:
@@ -63,6 +63,7 @@ def test_bench_figures_are_positive_and_consistent(report):
             assert r["scaling_efficiency"] == pytest.approx(r["tokens_per_sec"] / (2 * base["tokens_per_sec"]))
 
 
+@pytest.mark.slow
 def test_measured_state_bytes_confirm_the_memory_formula(report):
     """DDP holds 16 bytes per parameter on every rank; FSDP on 2 ranks about half (each rank its
     shard): parallel.state_bytes_per_rank, the formula behind the README's memory table."""
@@ -80,20 +81,18 @@ def test_measured_state_bytes_confirm_the_memory_formula(report):
     assert runs["fsdp", 2]["optimizer"] == pytest.approx(runs["ddp", 2]["optimizer"] / 2, rel=0.01)
 
 
-def test_bench_bad_arguments_are_one_line():
+def test_bench_bad_arguments_are_one_line(script):
     for args, needle in ((["--nproc=0"], "at least 1"), (["--strategies=zero3"], "choose from ddp, fsdp"),
                          (["--nproc=3"], "cannot be split over 3")):
-        proc = subprocess.run([sys.executable, "bench.py", *args], cwd=REPO, env=child_env(), capture_output=True,
-                              text=True, timeout=120)
+        proc = script("bench.py", *args)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_plot_runs_overlays_two_runs(tmp_path, char_data):
+def test_plot_runs_overlays_two_runs(tmp_path, char_data, script):
     """A short real run, and a second run's metrics.jsonl and config.json written as train.py
     writes them (the plot reads nothing else)."""
-    run([sys.executable, "train.py", *tiny_args(char_data, tmp_path / "a", max_iters=6, eval_interval=3)],
-        child_env())
+    train_here(char_data, tmp_path / "a", max_iters=6, eval_interval=3)
     for name, world, rate in (("b", 2, 0.012),):
         out = tmp_path / name
         out.mkdir()
@@ -103,19 +102,17 @@ def test_plot_runs_overlays_two_runs(tmp_path, char_data):
         (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (out / "config.json").write_text(json.dumps({"run": {"world_size": world, "tokens_per_step": 2048}}))
     out = tmp_path / "plots" / "runs.png"
-    proc = run([sys.executable, "scripts/plot_runs.py", str(tmp_path / "a"), str(tmp_path / "b"), f"--out={out}"],
-               child_env())
-    assert "2 runs" in proc.stdout
+    proc = script("scripts/plot_runs.py", tmp_path / "a", tmp_path / "b", f"--out={out}")
+    assert proc.returncode == 0 and "2 runs" in proc.stdout, proc.stderr
     assert_png(out)
 
 
-def test_plot_runs_bad_input_is_one_line(tmp_path):
+def test_plot_runs_bad_input_is_one_line(tmp_path, script):
     (tmp_path / "empty").mkdir()
     (tmp_path / "nolosses").mkdir()
     (tmp_path / "nolosses" / "metrics.jsonl").write_text("")
     for args, needle in (([str(tmp_path / "empty")], "metrics.jsonl does not exist"),
                          ([str(tmp_path / "nolosses")], "holds no train or val loss"),
                          ([str(tmp_path / "nolosses"), "--labels=a,b"], "2 names for 1 folders")):
-        proc = subprocess.run([sys.executable, "scripts/plot_runs.py", *args], cwd=REPO, env=child_env(),
-                              capture_output=True, text=True, timeout=60)
+        proc = script("scripts/plot_runs.py", *args)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr

@@ -62,6 +62,7 @@ def test_char_prepare_round_trips_the_text(tmp_path, text_file):
     assert decode(train) + decode(val) == TEXT
 
 
+@pytest.mark.slow
 def test_prepare_twice_is_byte_identical_and_leaves_no_temp_files(tmp_path, text_file):
     out = tmp_path / "ds"
     script = REPO / "data" / "shakespeare_char" / "prepare.py"  # as a script, from another folder
@@ -215,19 +216,19 @@ def test_large_vocabularies_are_stored_as_uint32(tmp_path):
     assert np.fromfile(tmp_path / "train.bin", dtype=np.uint32).tolist() == [70_000, 1]
 
 
-@pytest.mark.parametrize("script", ["shakespeare_char", "shakespeare"])
-def test_prepare_with_bad_input_exits_2_and_writes_nothing(tmp_path, script):
+@pytest.mark.parametrize("name", ["shakespeare_char", "shakespeare"])
+def test_prepare_with_bad_input_exits_2_and_writes_nothing(tmp_path, script, name):
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("caf\u00e9\n".encode("latin-1"))
     out = tmp_path / "out"
     for given, message in ((tmp_path / "missing.txt", f"input file {tmp_path / 'missing.txt'} does not exist"),
                            (latin1, f"input file {latin1} is not UTF-8 text (byte 0xe9 at offset 3)")):
-        proc = subprocess.run([sys.executable, f"data/{script}/prepare.py", "--input", str(given),
-                               "--out_dir", str(out)], cwd=REPO, capture_output=True, text=True, timeout=60)
+        proc = script(f"data/{name}/prepare.py", "--input", given, "--out_dir", out)
         assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
         assert "Traceback" not in proc.stderr and not out.exists()
 
 
+@pytest.mark.slow  # a fresh interpreter's modules
 def test_a_training_process_never_loads_the_corpus_downloads():
     # train.py (and sample.py) need the dataset format, not the downloads or the play parser
     code = "import sys, train, sample; print(' '.join(m for m in sys.modules if m.startswith('data')))"

@@ -14,7 +14,7 @@ move these numbers by 1e-2 or more. The models have no biases: the key bias has 
 true gradient, so Adam turns pure rounding noise there into whole-learning-rate steps.
 """
 
-import json
+import shutil
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -26,43 +26,8 @@ import parallel
 import train
 from config import resolve
 from errors import ConfigError
-from harness import make_char_dataset, metrics, run_ranks, run_world, tiny_args
-
-LOG_RTOL, WEIGHT_ATOL = 1e-5, 1e-5
-STEPS = 8
-
-
-def args_for(data, out, **kw):
-    base = dict(bias=False, batch_size=4, global_batch_size=16, max_iters=STEPS, lr_decay_iters=STEPS,
-                eval_interval=4, log_interval=1)
-    return tiny_args(data, out, **{**base, **kw})
-
-
-def train_run(world_size, data, out, patch=None, **kw) -> list[dict]:
-    """One run on world_size processes (in this process when it is 1)."""
-    args = args_for(data, out, **kw)
-    if world_size == 1:
-        return [train.main(resolve(args))]
-    return run_world(world_size, args, Path(str(out) + "-results"), patch)
-
-
-def weights(out) -> dict:
-    return torch.load(Path(out) / "last.pt", weights_only=True)["model"]
-
-
-def train_log(out) -> list:
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(out) if "loss" in r]
-
-
-def assert_close_runs(a, b):
-    la, lb = train_log(a), train_log(b)
-    assert [r[0] for r in la] == [r[0] for r in lb]
-    torch.testing.assert_close(torch.tensor([r[1:] for r in la]), torch.tensor([r[1:] for r in lb]),
-                               rtol=LOG_RTOL, atol=0)
-    wa, wb = weights(a), weights(b)
-    for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=WEIGHT_ATOL,
-                                   msg=lambda m: f"{name}: {m}")
+from harness import (STEPS, args_for, assert_close_runs, ckpt, make_char_dataset, metrics, read_epochs,
+                     record_epochs, run_ranks, run_world, train_log, train_run)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +38,7 @@ def world_runs(char_data, tmp_path_factory):
     return root, results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_world_size_does_not_change_losses_or_weights(world_runs, world_size):
     root, _ = world_runs
@@ -80,6 +46,7 @@ def test_world_size_does_not_change_losses_or_weights(world_runs, world_size):
     assert len(train_log(root / "w1")) == STEPS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_rank_reports_the_single_process_val_loss(world_runs, world_size):
     root, results = world_runs
@@ -112,6 +79,7 @@ def _count_allreduces(rank):
     parallel.DDP = CountingDDP
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size, accum", [(16, 1), (4, 4)])
 def test_gradients_are_all_reduced_once_per_optimizer_step(char_data, tmp_path, monkeypatch,
                                                             batch_size, accum):
@@ -160,6 +128,7 @@ def _allreduce(bucket):
     return allreduce_hook(None, bucket)
 
 
+@pytest.mark.slow
 def test_ddp_gradients_equal_single_process_gradients_of_the_global_batch(char_data, tmp_path):
     run_ranks(_accumulate, 1, str(char_data), tmp_path / "w1.pt", "train.py")
     run_ranks(_accumulate, 2, str(char_data), tmp_path / "w2.pt", "train.py")
@@ -179,18 +148,28 @@ def test_ddp_gradients_equal_single_process_gradients_of_the_global_batch(char_d
 
 # --- points 5-7: resume exactly, on the same or another world size ---------------------------
 
-def checkpoint(out) -> dict:
-    return torch.load(Path(out) / "last.pt", weights_only=True)
+@pytest.fixture(scope="module")
+def half_w2(world_runs, char_data):
+    """The first 4 of world_runs' W=2 steps, stopped there: each resume test continues a copy."""
+    root, _ = world_runs
+    train_run(2, char_data, root / "half-w2", max_iters=4)
+    return root / "half-w2"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_ddp_resume_is_bit_identical(char_data, tmp_path, dropout):
+def test_ddp_resume_is_bit_identical(world_runs, half_w2, char_data, tmp_path, dropout):
     # with dropout, each rank's RNG stream must be saved (gathered on rank 0) and restored
-    straight, legs = tmp_path / "straight", tmp_path / "legs"
-    train_run(2, char_data, straight, dropout=dropout)
-    train_run(2, char_data, legs, dropout=dropout, max_iters=4)
+    legs = tmp_path / "legs"
+    if dropout == 0.0:  # world_runs' W=2 run is the straight run, half_w2 its first leg
+        straight = world_runs[0] / "w2"
+        shutil.copytree(half_w2, legs)
+    else:
+        straight = tmp_path / "straight"
+        train_run(2, char_data, straight, dropout=dropout)
+        train_run(2, char_data, legs, dropout=dropout, max_iters=4)
     train_run(2, char_data, legs, dropout=dropout, resume="auto")
-    a, b = checkpoint(straight), checkpoint(legs)
+    a, b = ckpt(straight), ckpt(legs)
     assert b["step"] == STEPS and a["loader"] == b["loader"]
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
@@ -201,14 +180,15 @@ def test_ddp_resume_is_bit_identical(char_data, tmp_path, dropout):
     assert train_log(straight) == train_log(legs)  # bit for bit, and no step logged twice
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resume_world", [1, 4])
 def test_resume_on_another_world_size_continues_with_the_next_global_batch(
-        world_runs, char_data, tmp_path, resume_world):
+        world_runs, half_w2, char_data, tmp_path, resume_world):
     root, _ = world_runs  # root / "w2": the uninterrupted 8 steps on W=2
     legs = tmp_path / "legs"
-    train_run(2, char_data, legs, max_iters=4)
+    shutil.copytree(half_w2, legs)  # 4 steps on W=2
     train_run(resume_world, char_data, legs, resume="auto")
-    assert checkpoint(legs)["world_size"] == resume_world
+    assert ckpt(legs)["world_size"] == resume_world
     assert_close_runs(root / "w2", legs)
 
 
@@ -221,33 +201,10 @@ def test_resume_on_a_world_size_that_cannot_hold_the_global_batch_stops(char_dat
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"global_batch_size \(16\).*batch_size \(4\) x world size \(3\)"):
         train.main(resolve(args_for(char_data, tmp_path, resume="auto")))
-    assert checkpoint(tmp_path)["step"] == 4
+    assert ckpt(tmp_path)["step"] == 4
 
 
 # --- point 8: epochs ----------------------------------------------------------------------
-
-def _record_epochs(rank):
-    """Log every set_epoch call and every micro-batch's window starts to $EPOCH_LOG.rank."""
-    import os
-    import loader as loader_module
-    log = Path(os.environ["EPOCH_LOG"] + f".{rank}")
-    original_set_epoch = loader_module.ShardedTokenLoader.set_epoch
-    original_rank_starts = loader_module.ShardedTokenLoader.rank_starts
-
-    def set_epoch(self, epoch):
-        with open(log, "a") as f:
-            f.write(json.dumps({"set_epoch": epoch}) + "\n")
-        original_set_epoch(self, epoch)
-
-    def rank_starts(self):
-        starts = original_rank_starts(self)
-        with open(log, "a") as f:
-            f.write(json.dumps({"epoch": self.epoch, "starts": starts.tolist()}) + "\n")
-        return starts
-
-    loader_module.ShardedTokenLoader.set_epoch = set_epoch
-    loader_module.ShardedTokenLoader.rank_starts = rank_starts
-
 
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory):
@@ -255,18 +212,12 @@ def small_data(tmp_path_factory):
     return make_char_dataset(tmp_path_factory.mktemp("small"), n_chars=3000)
 
 
+@pytest.mark.slow
 def test_epochs_call_set_epoch_and_never_repeat_a_window(small_data, tmp_path, monkeypatch):
     monkeypatch.setenv("EPOCH_LOG", str(tmp_path / "epochs"))
-    train_run(2, small_data, tmp_path / "out", patch=_record_epochs, max_iters=25, lr_decay_iters=25,
+    train_run(2, small_data, tmp_path / "out", patch=record_epochs, max_iters=25, lr_decay_iters=25,
               eval_interval=25)
-    per_epoch, calls = {}, []
-    for rank in range(2):
-        for line in (tmp_path / f"epochs.{rank}").read_text().splitlines():
-            event = json.loads(line)
-            if "set_epoch" in event:
-                calls.append((rank, event["set_epoch"]))
-            else:
-                per_epoch.setdefault(event["epoch"], []).extend(event["starts"])
+    calls, per_epoch = read_epochs(tmp_path / "epochs")
     assert sorted(calls) == [(r, e) for r in range(2) for e in range(3)]  # 25 steps: epochs 0, 1, 2
     assert sorted(per_epoch) == [0, 1, 2]
     for epoch, starts in per_epoch.items():
@@ -275,14 +226,15 @@ def test_epochs_call_set_epoch_and_never_repeat_a_window(small_data, tmp_path, m
     assert set(per_epoch[0]) != set(per_epoch[1])  # a fresh offset and order each epoch
 
 
+@pytest.mark.slow
 def test_resume_exactly_on_an_epoch_boundary(small_data, tmp_path):
     straight, legs = tmp_path / "straight", tmp_path / "legs"
     common = dict(max_iters=20, lr_decay_iters=20, eval_interval=10)
     train_run(2, small_data, straight, **common)
     train_run(2, small_data, legs, **{**common, "max_iters": 10})  # stops at the end of epoch 0
-    assert checkpoint(legs)["loader"] == {"epoch": 0, "position": 160}
+    assert ckpt(legs)["loader"] == {"epoch": 0, "position": 160}
     train_run(2, small_data, legs, **common, resume="auto")
-    a, b = checkpoint(straight), checkpoint(legs)
+    a, b = ckpt(straight), ckpt(legs)
     assert b["loader"] == a["loader"] == {"epoch": 1, "position": 160}
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name

@@ -1,7 +1,8 @@
 """A user's bad day, done on purpose: kill -9 at any moment (inside a checkpoint write too),
-Ctrl-C, the same command started twice, a corrupt token id deep in a file, a prompt longer than
-the context. Each case checks that nothing was lost: last.pt stays readable, and a resume ends
-with the weights of a run that was never disturbed."""
+Ctrl-C, the same command started twice, a corrupt token id deep in a file. Each case checks that
+nothing was lost: last.pt stays readable, and a resume ends with the weights of a run that was
+never disturbed. (Signals to torchrun: tests/test_recovery.py; a prompt longer than the context:
+tests/test_sample.py.)"""
 
 import json
 import random
@@ -14,11 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from harness import REPO, child_env, make_char_dataset, run, tiny_args
+from harness import (REPO, assert_same_weights, child_env, ckpt, make_char_dataset, no_temporaries, python, run,
+                     start, tiny_args, torchrun, train_here, train_py, wait_for_line)
 
-pytestmark = pytest.mark.slow
 STEPS = 40
 
 
@@ -28,119 +28,78 @@ def args_for(data, out, **kw):
                                    "resume": "auto", **kw})
 
 
-def start(cmd, **env):
-    return subprocess.Popen(cmd, cwd=REPO, env=child_env(**env), text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-
-
-def wait_for_line(proc, prefix: str) -> list:
-    """Read the process's output until a line starts with prefix (what it printed so far)."""
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith(prefix):
-            return lines
-    raise AssertionError(f"the run ended (status {proc.wait()}) before printing {prefix!r}:\n{''.join(lines)}")
-
-
-def weights(out_dir):
-    return torch.load(Path(out_dir) / "last.pt", weights_only=True)
-
-
-def assert_same_weights(a, b):
-    assert a["step"] == b["step"]
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), name
-
-
-def no_temporaries(out_dir):
-    return not [p.name for p in Path(out_dir).iterdir() if p.name.endswith(".tmp")]
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(char_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("whole")
-    run([sys.executable, "train.py", *args_for(char_data, out, resume="never")], child_env())
-    return weights(out)
+    run(train_py(args_for(char_data, out, resume="never")))
+    return ckpt(out)
 
 
 # --- kill -9 ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sigkill_at_a_random_moment_then_resume(char_data, tmp_path, uninterrupted, seed):
-    proc = start([sys.executable, "train.py", *args_for(char_data, tmp_path)])
+    proc = start(train_py(args_for(char_data, tmp_path)))
     wait_for_line(proc, "step 1:")
     time.sleep(random.Random(seed).uniform(0, 0.6))  # the fault's moment, not a wait for an event
     proc.kill()
     proc.wait()
     if (tmp_path / "last.pt").exists():
-        assert weights(tmp_path)["step"] <= STEPS  # readable whenever it exists
-    run([sys.executable, "train.py", *args_for(char_data, tmp_path)], child_env())
-    assert_same_weights(weights(tmp_path), uninterrupted)
+        assert ckpt(tmp_path)["step"] <= STEPS  # readable whenever it exists
+    run(train_py(args_for(char_data, tmp_path)))
+    assert_same_weights(ckpt(tmp_path), uninterrupted)
     assert no_temporaries(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moment", ["open", "rename"])
 def test_sigkill_inside_a_checkpoint_write_then_resume(char_data, tmp_path, uninterrupted, moment):
     faults = REPO / "tests" / "faults"
-    proc = start([sys.executable, "train.py", *args_for(char_data, tmp_path)], FAULT_KILL_AT=moment,
+    proc = start(train_py(args_for(char_data, tmp_path)), FAULT_KILL_AT=moment,
                  FAULT_KILL_NTH=3, PYTHONPATH=f"{faults}:{REPO}")
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, out
-    assert weights(tmp_path)["step"] == 4  # the 3rd write (step 6) died; step 4's last.pt is whole
-    resumed = run([sys.executable, "train.py", *args_for(char_data, tmp_path)], child_env()).stdout
+    assert ckpt(tmp_path)["step"] == 4  # the 3rd write (step 6) died; step 4's last.pt is whole
+    resumed = run(train_py(args_for(char_data, tmp_path))).stdout
     if moment == "rename":  # the whole temporary file was left behind, until the next start
         assert "left by a run that was killed while writing" in resumed
-    assert_same_weights(weights(tmp_path), uninterrupted)
+    assert_same_weights(ckpt(tmp_path), uninterrupted)
     assert no_temporaries(tmp_path)
 
 
 # --- Ctrl-C -------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_sigint_stops_a_single_process_at_a_step_with_a_checkpoint(char_data, tmp_path, uninterrupted):
-    proc = start([sys.executable, "train.py", *args_for(char_data, tmp_path)])
+    proc = start(train_py(args_for(char_data, tmp_path)))
     wait_for_line(proc, "step 5:")
     proc.send_signal(signal.SIGINT)
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 128 + signal.SIGINT, out
     assert "stopped by SIGINT at step" in out and "Traceback" not in out
-    assert 5 <= weights(tmp_path)["step"] < STEPS
-    run([sys.executable, "train.py", *args_for(char_data, tmp_path)], child_env())
-    assert_same_weights(weights(tmp_path), uninterrupted)
-
-
-def test_sigint_to_torchrun_stops_both_ranks_and_resume_matches(char_data, tmp_path):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
-    run([*torchrun, *args_for(char_data, tmp_path / "whole", resume="never", eval_interval=10)], child_env())
-    proc = start([*torchrun, *args_for(char_data, tmp_path / "cut", eval_interval=10)])
-    wait_for_line(proc, "step 5:")
-    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends torchrun
-    out = proc.communicate(timeout=120)[0]
-    assert proc.returncode != 0 and "stopped by SIGINT at step" in out, out
-    assert 5 <= weights(tmp_path / "cut")["step"] < STEPS
-    run([*torchrun, *args_for(char_data, tmp_path / "cut", eval_interval=10)], child_env())
-    assert_same_weights(weights(tmp_path / "cut"), weights(tmp_path / "whole"))
+    assert 5 <= ckpt(tmp_path)["step"] < STEPS
+    run(train_py(args_for(char_data, tmp_path)))
+    assert_same_weights(ckpt(tmp_path), uninterrupted)
 
 
 # --- two runs, one out_dir ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_second_run_into_a_busy_out_dir_stops_and_the_first_goes_on(char_data, tmp_path):
     args = args_for(char_data, tmp_path, max_iters=100_000, eval_interval=5, lr_decay_iters=100_000)
-    first = start([sys.executable, "train.py", *args])
+    first = start(train_py(args))
     wait_for_line(first, "step 6:")  # last.pt exists
-    second = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=child_env(), capture_output=True,
-                            text=True, timeout=120)
+    second = python("train.py", *args, timeout=120)
     assert second.returncode == 2, second.stdout + second.stderr
     line, = second.stderr.strip().splitlines()
     assert f"out_dir {tmp_path} is in use by the run started" in line and f"pid {first.pid} " in line
     assert "another --out_dir" in line
-    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               "train.py", *args], cwd=REPO, env=child_env(), capture_output=True, text=True,
-                              timeout=120)
-    assert torchrun.returncode != 0
-    assert torchrun.stderr.count(f"error: out_dir {tmp_path} is in use by the run started") == 2  # every rank
+    both = subprocess.run(torchrun(args), cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert both.returncode != 0
+    assert both.stderr.count(f"error: out_dir {tmp_path} is in use by the run started") == 2  # every rank
     # a reader needs no lock
-    run([sys.executable, "sample.py", f"--out_dir={tmp_path}", "--num_samples=1", "--max_new_tokens=5"], child_env())
+    run([sys.executable, "sample.py", f"--out_dir={tmp_path}", "--num_samples=1", "--max_new_tokens=5"])
     assert first.poll() is None  # the first run never noticed
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == 128 + signal.SIGTERM
@@ -149,18 +108,18 @@ def test_a_second_run_into_a_busy_out_dir_stops_and_the_first_goes_on(char_data,
     assert steps == sorted(set(steps))  # one writer: no step twice
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_killed_run_does_not_block(char_data, tmp_path):
     holder = start([sys.executable, "-c", "import sys, time, checkpoint, launch\n"
                     f"lock = checkpoint.OutDirLock({str(tmp_path)!r}, launch.World())\n"
                     "print('held', flush=True); time.sleep(600)"])
     wait_for_line(holder, "held")
-    blocked = subprocess.run([sys.executable, "train.py", *args_for(char_data, tmp_path, max_iters=2)], cwd=REPO,
-                             env=child_env(), capture_output=True, text=True, timeout=120)
+    blocked = python("train.py", *args_for(char_data, tmp_path, max_iters=2), timeout=120)
     assert blocked.returncode == 2 and f"pid {holder.pid} " in blocked.stderr
     holder.kill()
     holder.wait()
     assert (tmp_path / "run.lock").exists()  # the file stays; the OS dropped the lock
-    run([sys.executable, "train.py", *args_for(char_data, tmp_path, max_iters=2)], child_env())
+    run(train_py(args_for(char_data, tmp_path, max_iters=2)))
 
 
 # --- a corrupt token id past the sampled check ------------------------------------------------
@@ -184,21 +143,24 @@ def corrupt(path: Path, positions: list, value: int = 999):
     tokens.flush()
 
 
+def big_overrides(**kw):
+    return {"batch_size": 32, "global_batch_size": 64, "max_iters": 400, "eval_interval": 1000, "resume": "auto", **kw}
+
+
 def big_args(data, out, **kw):
-    return tiny_args(data, out, **{"batch_size": 32, "global_batch_size": 64, "max_iters": 400,
-                                   "eval_interval": 1000, "resume": "auto", **kw})
+    return tiny_args(data, out, **big_overrides(**kw))
 
 
 @pytest.fixture(scope="module")
 def big_run(big_data, tmp_path_factory):
     """10 good steps on big_data, saved: what a corrupt file later interrupts."""
     out = tmp_path_factory.mktemp("big_run") / "out"
-    run([sys.executable, "train.py", *big_args(big_data, out, max_iters=10, eval_interval=10)], child_env())
+    train_here(big_data, out, **big_overrides(max_iters=10, eval_interval=10))
     return out
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_a_bad_token_id_anywhere_in_train_ends_every_rank_with_one_line(big_data, big_run, tmp_path, nproc):
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_bad_token_id_anywhere_in_train_ends_every_rank_with_one_line(big_data, big_run, tmp_path, script, nproc):
     data = tmp_path / "data"
     data.mkdir()
     for name in ("train.bin", "val.bin", "meta.json"):
@@ -207,10 +169,9 @@ def test_a_bad_token_id_anywhere_in_train_ends_every_rank_with_one_line(big_data
     saved = (tmp_path / "out" / "last.pt").read_bytes()
     positions = unsampled_positions((data / "train.bin").stat().st_size // 2)
     corrupt(data / "train.bin", positions)
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
-                if nproc == 2 else [sys.executable, "train.py"])
-    proc = subprocess.run([*launcher, *big_args(data, tmp_path / "out")], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=300)
+    args = big_args(data, tmp_path / "out")  # one process runs in this one, two under torchrun
+    proc = script("train.py", *args) if nproc == 1 else subprocess.run(
+        torchrun(args), cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0, proc.stdout
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == nproc and len(set(errors)) == 1, proc.stderr  # every rank, the same line
@@ -222,7 +183,7 @@ def test_a_bad_token_id_anywhere_in_train_ends_every_rank_with_one_line(big_data
     assert (tmp_path / "out" / "last.pt").read_bytes() == saved  # nothing was saved after the bad batch
 
 
-def test_a_bad_token_id_in_val_is_found_at_the_first_eval(big_data, tmp_path):
+def test_a_bad_token_id_in_val_is_found_at_the_first_eval(big_data, tmp_path, script):
     data = tmp_path / "data"
     data.mkdir()
     (data / "train.bin").write_bytes((big_data / "train.bin").read_bytes())
@@ -232,21 +193,7 @@ def test_a_bad_token_id_in_val_is_found_at_the_first_eval(big_data, tmp_path):
     positions = unsampled_positions(meta["train_tokens"], 1)
     corrupt(data / "val.bin", positions)
     # 300 x 64 eval windows exceed the 16,900 windows val holds: the eval reads all of it
-    proc = subprocess.run([sys.executable, "train.py", *big_args(data, tmp_path / "out", eval_iters=300)],
-                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    proc = script("train.py", *big_args(data, tmp_path / "out", eval_iters=300))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith(f"error: {data / 'val.bin'} holds token id 999 at token position {positions[0]:,}")
     assert not (tmp_path / "out" / "last.pt").exists()
-
-
-# --- sample.py past block_size ------------------------------------------------------------------
-
-def test_sample_with_a_prompt_and_output_far_past_block_size_finishes(char_data, tmp_path, uninterrupted):
-    out = tmp_path / "out"
-    run([sys.executable, "train.py", *args_for(char_data, out, max_iters=2)], child_env())
-    prompt = tmp_path / "prompt.txt"
-    prompt.write_text("the king speaks softly. " * 10)  # 240 characters, block_size 16
-    proc = run([sys.executable, "sample.py", f"--out_dir={out}", f"--start=FILE:{prompt}", "--num_samples=2",
-                "--max_new_tokens=2000", "--device=cpu"], child_env(), timeout=120)
-    samples = [s for s in proc.stdout.split("---------------") if s.strip()]
-    assert len(samples) == 2 and all(len(s.strip("\n")) == 240 + 2000 for s in samples)

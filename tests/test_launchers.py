@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from harness import audited_writes, child_env, metrics, run, run_manual_ranks, tiny_args
+from harness import EXPECTED_FILES, audited_writes, child_env, metrics, run, run_manual_ranks, tiny_args, torchrun
 
-EXPECTED_FILES = ["best.pt", "config.json", "last.pt", "meta.json", "metrics.jsonl", "previous.pt", "run.lock"]
+pytestmark = pytest.mark.slow
 
 
 def check_rank0_wrote_everything(out_dir, audit_dir, world_size=2):
@@ -27,8 +27,7 @@ def launch(char_data, tmp_path):
 
 def test_torchrun_standalone_two_processes(launch):
     args, out_dir, audit_dir, env = launch
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "train.py", *args], env)
+    proc = run(torchrun(args), env)
     assert "world size 2" in proc.stdout
     check_rank0_wrote_everything(out_dir, audit_dir)
 

@@ -38,13 +38,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import REPO, child_env, metrics
+from harness import (REPO, STEPS, args_for, assert_close_runs, child_env, logged_step, metrics, train_log,
+                     train_run)
 from model import GPT, GPTConfig
 from netns import multihost_possible, two_hosts  # noqa: F401  (fixtures)
-from test_distributed import STEPS, args_for, assert_close_runs, train_log, train_run
 
 # the module skips before its costly module fixtures where namespaces cannot be made
-pytestmark = [pytest.mark.multihost, pytest.mark.usefixtures("multihost_possible")]
+pytestmark = [pytest.mark.slow, pytest.mark.multihost, pytest.mark.usefixtures("multihost_possible")]
 
 PORTS = itertools.count(29400)  # each namespace pair is new, so only reuse inside a test matters
 RUN_TIMEOUT = 90.0              # a normal run here takes ~10 s; this only bounds a hang
@@ -128,14 +128,6 @@ def reference(char_data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("multihost_reference") / "w4"
     train_run(4, char_data, out)
     return out
-
-
-def logged_step(out_dir: Path) -> int:
-    """The last step in metrics.jsonl, -1 before there is one; a line still being written is skipped."""
-    path = Path(out_dir) / "metrics.jsonl"
-    text = path.read_text() if path.exists() else ""
-    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
-    return max((json.loads(line)["step"] for line in lines if line), default=-1)
 
 
 def files_under(folder: Path) -> list:

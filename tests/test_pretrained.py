@@ -4,13 +4,11 @@ Offline: the "GPT-2" here is a randomly initialised transformers GPT2LMHeadModel
 vocabulary, saved into a temporary folder, never the released weights."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from harness import REPO, child_env, run, tiny_args
+from harness import SEPARATOR, python, run, tiny_args, torchrun
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -61,13 +59,23 @@ def hf_logits(hf, x):
         return hf(x).logits
 
 
-def train(args, timeout=300):
-    return run([sys.executable, "train.py", *args], child_env(), timeout)
+@pytest.fixture
+def train(script):
+    """train.py ARGS to success, in this process."""
+    def call(args):
+        proc = script("train.py", *args)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc
+    return call
 
 
-def fails_with(cmd, *needles):
-    proc = subprocess.run([sys.executable, *cmd], cwd=REPO, env=child_env(), capture_output=True, text=True,
-                          timeout=300)
+@pytest.fixture
+def fails_with(script):
+    """A script run in this process ends with exit status 2 and one line holding every needle."""
+    return lambda cmd, *needles: one_line_error(script(*cmd), *needles)
+
+
+def one_line_error(proc, *needles):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -152,7 +160,7 @@ def tiny_finetune(bpe_data, out_dir, hf_folder, **overrides):
                                            "n_head": 2, "n_embd": 32, "block_size": 32, **overrides})
 
 
-def test_max_iters_0_reports_the_pretrained_val_loss(tmp_path, bpe_data, hf_folder):
+def test_max_iters_0_reports_the_pretrained_val_loss(tmp_path, bpe_data, hf_folder, train):
     proc = train(tiny_finetune(bpe_data, tmp_path / "out", hf_folder, max_iters=0))
     assert f"weights from {hf_folder}" in proc.stdout
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -167,21 +175,20 @@ def test_max_iters_0_reports_the_pretrained_val_loss(tmp_path, bpe_data, hf_fold
     assert not (tmp_path / "out" / "last.pt").exists()  # nothing trained, nothing saved
 
 
+@pytest.mark.slow
 def test_fine_tuning_under_torchrun_starts_from_the_folder_and_resumes_exactly(tmp_path, bpe_data, hf_folder):
     """Two ranks: rank 0 reads the folder and the other receives; 2+2 steps equal 4 steps."""
-    def torchrun(out, **overrides):
-        args = tiny_finetune(bpe_data, out, hf_folder, learning_rate=1e-4, warmup_iters=0, eval_interval=2,
-                             **overrides)
-        return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    "train.py", *args], child_env())
+    def finetune(out, **overrides):
+        return run(torchrun(tiny_finetune(bpe_data, out, hf_folder, learning_rate=1e-4, warmup_iters=0,
+                                          eval_interval=2, **overrides)))
 
-    torchrun(tmp_path / "whole", max_iters=4, resume="never")
-    torchrun(tmp_path / "split", max_iters=2, resume="never", lr_decay_iters=4)
+    finetune(tmp_path / "whole", max_iters=4, resume="never")
+    finetune(tmp_path / "split", max_iters=2, resume="never", lr_decay_iters=4)
     first = checkpoint.read(tmp_path / "split" / "last.pt")["model"]
     start = gpt2_from_hf(hf_model().state_dict(), GPT(GPTConfig(**{**HF_SHAPE_OURS, "block_size": 32})))
     moved = max((first[k] - start[k]).abs().max().item() for k in start)
     assert 0 < moved < 1e-2  # two small steps away from the folder's weights
-    proc = torchrun(tmp_path / "split", max_iters=4, resume="auto", lr_decay_iters=4)
+    proc = finetune(tmp_path / "split", max_iters=4, resume="auto", lr_decay_iters=4)
     assert "resuming from" in proc.stdout and "weights from" not in proc.stdout
     whole = checkpoint.read(tmp_path / "whole" / "last.pt")["model"]
     split = checkpoint.read(tmp_path / "split" / "last.pt")["model"]
@@ -196,7 +203,8 @@ HF_SHAPE_OURS = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=50257)
     ({"block_size": 128}, "block_size 128 is longer than"),
     ({"n_embd": 64}, None),  # the folder's shape wins over the config's: not an error
 ])
-def test_config_that_cannot_load_the_weights_is_one_line(tmp_path, bpe_data, hf_folder, override, needle):
+def test_config_that_cannot_load_the_weights_is_one_line(tmp_path, bpe_data, hf_folder, override, needle, train,
+                                                         fails_with):
     args = tiny_finetune(bpe_data, tmp_path / "out", hf_folder, max_iters=0, **override)
     if needle is None:
         assert "32 wide" in train(args).stdout
@@ -204,12 +212,12 @@ def test_config_that_cannot_load_the_weights_is_one_line(tmp_path, bpe_data, hf_
         fails_with(["train.py", *args], needle)
 
 
-def test_a_character_dataset_cannot_take_gpt2_weights(tmp_path, char_data, hf_folder):
+def test_a_character_dataset_cannot_take_gpt2_weights(tmp_path, char_data, hf_folder, fails_with):
     args = tiny_args(char_data, tmp_path / "out", init_from=str(hf_folder), max_iters=0)
     fails_with(["train.py", *args], "reads GPT-2 BPE tokens", "--dataset=shakespeare")
 
 
-def test_a_damaged_folder_is_one_line_on_every_launcher(tmp_path, bpe_data, hf_folder):
+def test_a_damaged_folder_is_one_line_on_every_launcher(tmp_path, bpe_data, hf_folder, fails_with):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text((hf_folder / "config.json").read_text())
@@ -220,11 +228,10 @@ def test_a_damaged_folder_is_one_line_on_every_launcher(tmp_path, bpe_data, hf_f
                "lack transformer.ln_f.bias")
 
 
+@pytest.mark.slow  # a process of its own: huggingface_hub reads HF_HOME when imported
 def test_a_released_name_offline_and_uncached_says_where_to_put_the_files(tmp_path, bpe_data):
-    env = dict(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "train.py", *tiny_args(bpe_data, tmp_path / "out", dataset="shakespeare",
-                                                                  init_from="gpt2", max_iters=0)],
-                          cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=300)
+    proc = python("train.py", *tiny_args(bpe_data, tmp_path / "out", dataset="shakespeare", init_from="gpt2",
+                                         max_iters=0), HF_HOME=tmp_path / "hf-home", HF_HUB_OFFLINE=1)
     assert proc.returncode == 2, proc.stderr
     line, = [line for line in proc.stderr.splitlines() if line.strip()]
     assert "gpt2 is not in the Hugging Face cache" in line and "--init_from=PATH" in line
@@ -249,12 +256,13 @@ def test_gpt2_to_hf_is_what_transformers_computes():
     assert (full_logits(ours, x) - hf_logits(hf, x)).abs().max().item() < 1e-5
 
 
-def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data):
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data, train, script):
     """A model without biases and with a padded vocabulary: both must be undone for GPT-2's format."""
     out = tmp_path / "out"
     train(tiny_args(bpe_data, out, dataset="shakespeare", max_iters=3, eval_interval=3, bias=False,
                     pad_vocab_to=64, block_size=32))
-    proc = run([sys.executable, "scripts/export_hf.py", f"--out_dir={out}", f"--to={tmp_path / 'hf'}"], child_env())
+    proc = script("scripts/export_hf.py", f"--out_dir={out}", f"--to={tmp_path / 'hf'}")
+    assert proc.returncode == 0, proc.stderr
     assert "model.safetensors" in proc.stdout and "vocab.json" in proc.stdout
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     ckpt = checkpoint.read(out / "best.pt")
@@ -281,17 +289,17 @@ def test_exported_tokenizer_files_encode_as_tiktoken(tmp_path):
     assert len(tok) == 50257
 
 
-def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data):
+def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data, train, script):
     out = tmp_path / "out"
     train(tiny_args(char_data, out, max_iters=2, eval_interval=2))
-    run([sys.executable, "scripts/export_hf.py", f"--out_dir={out}", "--checkpoint=last", f"--to={tmp_path / 'hf'}"],
-        child_env())
+    exported = script("scripts/export_hf.py", f"--out_dir={out}", "--checkpoint=last", f"--to={tmp_path / 'hf'}")
+    assert exported.returncode == 0, exported.stderr
     assert sorted(f.name for f in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     assert hf.config.vocab_size == json.loads((out / "meta.json").read_text())["vocab_size"]
 
 
-def test_export_bad_input_is_one_line(tmp_path):
+def test_export_bad_input_is_one_line(tmp_path, fails_with):
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'none'}", "--to=x"], "does not exist")
     (tmp_path / "empty").mkdir()
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", "--to=x"], "no best.pt or last.pt")
@@ -299,12 +307,14 @@ def test_export_bad_input_is_one_line(tmp_path):
 
 # --- sample.py --init_from --------------------------------------------------------------------
 
-def test_sample_from_a_folder_is_one_batch_and_repeatable(tmp_path, hf_folder):
-    cmd = [sys.executable, "sample.py", f"--init_from={hf_folder}", "--start=Hello", "--num_samples=3",
-           "--max_new_tokens=8", "--device=cpu"]
-    first, second = run(cmd, child_env()).stdout, run(cmd, child_env()).stdout
+def test_sample_from_a_folder_is_one_batch_and_repeatable(tmp_path, hf_folder, script):
+    cmd = ["sample.py", f"--init_from={hf_folder}", "--start=Hello", "--num_samples=3", "--max_new_tokens=8",
+           "--device=cpu"]
+    first, second = script(*cmd), script(*cmd)
+    assert first.returncode == second.returncode == 0, first.stderr
+    first, second = first.stdout, second.stdout
     assert first == second
-    samples = [s.strip() for s in first.split("---------------") if s.strip()]
+    samples = [s.strip() for s in first.split(SEPARATOR) if s.strip()]
     assert len(samples) == 3 and all(s.startswith("Hello") for s in samples) and len(set(samples)) == 3
 
 
@@ -317,7 +327,7 @@ def test_batched_generation_gives_each_row_its_own_tokens():
         assert torch.equal(together[row], model.generate(prompts[row:row + 1], 20, temperature=0)[0])
 
 
-def test_sample_init_from_missing_folder_is_one_line(tmp_path):
+def test_sample_init_from_missing_folder_is_one_line(tmp_path, fails_with):
     fails_with(["sample.py", f"--init_from={tmp_path / 'nothing'}"], "no Hugging Face GPT-2 model there")
 
 
@@ -336,17 +346,18 @@ def test_sample_py_generates_all_samples_in_one_call(monkeypatch, capsys, hf_fol
     assert capsys.readouterr().out.count("---------------") == 4
 
 
-def test_fsdp_starts_from_the_folder_too(tmp_path, bpe_data, hf_folder):
+@pytest.mark.slow
+def test_fsdp_starts_from_the_folder_too(tmp_path, bpe_data, hf_folder, train):
     one = tiny_finetune(bpe_data, tmp_path / "one", hf_folder, max_iters=0)
     two = tiny_finetune(bpe_data, tmp_path / "two", hf_folder, max_iters=0, strategy="fsdp")
     train(one)
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *two],
-        child_env())
+    run(torchrun(two))
     val = [json.loads((tmp_path / d / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"] for d in ("one", "two")]
     assert abs(val[0] - val[1]) < 1e-5
 
 
-def test_a_config_json_whose_n_embd_does_not_match_the_weights_is_one_line(tmp_path, bpe_data, hf_folder):
+def test_a_config_json_whose_n_embd_does_not_match_the_weights_is_one_line(tmp_path, bpe_data, hf_folder,
+                                                                           fails_with):
     bad = tmp_path / "bad"
     bad.mkdir()
     config = json.loads((hf_folder / "config.json").read_text())

@@ -1,96 +1,80 @@
-"""Runs that are stopped, crash, or cannot find their peers: they end cleanly and resume exactly."""
+"""Runs that are stopped, crash, or cannot find their peers: they end cleanly and resume exactly.
 
-import json
+Signal-then-resume under torchrun is one test, over the signal (SIGTERM from a scheduler,
+SIGINT from Ctrl-C) and the strategy (DDP, FSDP); each compares with one uninterrupted run of
+its strategy. Single-process signals and kill -9 are in tests/test_faults.py."""
+
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-import torch
 
-from harness import REPO, child_env, free_port, metrics, run, tiny_args
+from harness import (assert_same_weights, ckpt, free_port, logged_step, python, run, run_world, start, tiny_args,
+                     torchrun, wait_for)
 
+pytestmark = pytest.mark.slow
 STEPS = 120
 
 
-def last_step(out_dir) -> int:
-    path = Path(out_dir) / "metrics.jsonl"
-    if not path.exists():
-        return -1
-    lines = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
-    return max((r["step"] for r in lines), default=-1)
-
-
-def wait_for(predicate, proc, timeout=60.0, what="condition"):
-    deadline = time.time() + timeout
-    while not predicate():
-        assert proc.poll() is None, f"the run ended (status {proc.returncode}) before {what}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def torchrun(args, extra=(), **popen):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            *extra, "train.py", *args]
+def recovery_args(data, out, strategy="ddp", **kw):
+    return tiny_args(data, out, max_iters=STEPS, eval_interval=20, strategy=strategy, **kw)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(char_data, tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("uninterrupted")
-    run(torchrun(tiny_args(char_data, out_dir, max_iters=STEPS, eval_interval=20)), child_env())
-    return torch.load(out_dir / "last.pt", weights_only=True)
+    """strategy -> the last.pt of an uninterrupted torchrun run of 2 processes (made when first asked)."""
+    made = {}
+
+    def get(strategy):
+        if strategy not in made:
+            out_dir = tmp_path_factory.mktemp(f"uninterrupted-{strategy}")
+            run(torchrun(recovery_args(char_data, out_dir, strategy)))
+            made[strategy] = ckpt(out_dir)
+        return made[strategy]
+    return get
 
 
-def assert_same_weights(a, b):
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), name
-
-
-def test_sigterm_to_torchrun_stops_every_rank_at_a_step_and_resume_matches(char_data, tmp_path,
-                                                                            uninterrupted):
-    args = tiny_args(char_data, tmp_path, max_iters=STEPS, eval_interval=20, resume="auto")
-    proc = subprocess.Popen(torchrun(args), cwd=REPO, env=child_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    wait_for(lambda: last_step(tmp_path) >= 25, proc, what="step 25")
-    signalled_at = last_step(tmp_path)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
+@pytest.mark.parametrize("sig, strategy", [(signal.SIGTERM, "ddp"), (signal.SIGINT, "ddp"),
+                                           (signal.SIGTERM, "fsdp")], ids=["SIGTERM", "SIGINT", "SIGTERM-fsdp"])
+def test_a_signal_to_torchrun_stops_every_rank_at_a_step_and_resume_matches(char_data, tmp_path, uninterrupted,
+                                                                             sig, strategy):
+    # SIGTERM is what a scheduler sends before preempting; SIGINT what Ctrl-C sends torchrun
+    args = recovery_args(char_data, tmp_path, strategy, resume="auto")
+    proc = start(torchrun(args))
+    wait_for(lambda: logged_step(tmp_path) >= 25, proc, what="step 25")
+    signalled_at = logged_step(tmp_path)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, out  # the launcher reports the preemption
-    stopped = torch.load(tmp_path / "last.pt", weights_only=True)
+    stopped = ckpt(tmp_path)
     assert signalled_at <= stopped["step"] < STEPS, out  # the next step boundary, not the last eval
-    assert "stopped by SIGTERM at step" in out
-    run(torchrun(args), child_env())
-    final = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert f"stopped by {sig.name} at step" in out, out
+    run(torchrun(args))
+    final = ckpt(tmp_path)
     assert final["step"] == STEPS
-    assert_same_weights(final, uninterrupted)
+    assert_same_weights(final, uninterrupted(strategy))
 
 
-def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(char_data, tmp_path,
-                                                                     uninterrupted):
-    args = tiny_args(char_data, tmp_path, max_iters=STEPS, eval_interval=20, resume="auto")
-    proc = subprocess.Popen(torchrun(args, ["--max-restarts=1"]), cwd=REPO, env=child_env(),
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    wait_for(lambda: (tmp_path / "last.pt").exists() and last_step(tmp_path) >= 25, proc,
-             what="a checkpoint")
+def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(char_data, tmp_path, uninterrupted):
+    proc = start(torchrun(recovery_args(char_data, tmp_path, resume="auto"), extra=["--max-restarts=1"]))
+    wait_for(lambda: (tmp_path / "last.pt").exists() and logged_step(tmp_path) >= 25, proc, what="a checkpoint")
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert len(workers) == 2, workers
     subprocess.run(["kill", "-9", workers[1]], check=True)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     assert "resuming from" in out
-    final = torch.load(tmp_path / "last.pt", weights_only=True)
+    final = ckpt(tmp_path)
     assert final["step"] == STEPS
-    assert_same_weights(final, uninterrupted)
+    assert_same_weights(final, uninterrupted("ddp"))
 
 
 def test_a_missing_peer_fails_within_dist_timeout_with_advice(char_data, tmp_path):
     # rank 0 of 2, and rank 1 never comes: no hang, one clear message, exit status 1
-    env = child_env(RANK=0, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
     started = time.time()
-    proc = subprocess.run([sys.executable, "train.py", *tiny_args(char_data, tmp_path, dist_timeout=3)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    proc = python("train.py", *tiny_args(char_data, tmp_path, dist_timeout=3), timeout=60, RANK=0, WORLD_SIZE=2,
+                  LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
     assert proc.returncode == 1 and time.time() - started < 30
     assert "could not form the process group of 2 ranks at 127.0.0.1:" in proc.stderr
     assert "GLOO_SOCKET_IFNAME" in proc.stderr and "Traceback" not in proc.stderr
@@ -111,7 +95,6 @@ def _corrupt_first_all_reduce(rank):
 
 
 def test_the_startup_all_reduce_catches_a_broken_fabric_before_training(char_data, tmp_path):
-    from harness import run_world
     with pytest.raises(Exception, match="startup all-reduce over gloo gave 1003.0, not 3.0"):
         run_world(2, tiny_args(char_data, tmp_path / "out"), tmp_path / "results",
                   patch=_corrupt_first_all_reduce)

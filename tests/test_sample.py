@@ -1,34 +1,20 @@
-"""sample.py on a checkpoint from a short run."""
+"""sample.py on a checkpoint from a short run, in this process (its __main__ run by runpy)."""
 
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-import sample as sample_script
-import train
-from config import resolve
-from harness import REPO, tiny_args
-
-SEPARATOR = "---------------"
+from harness import SEPARATOR
 
 
-@pytest.fixture(scope="module")
-def trained(char_data, tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("sample_out")
-    train.main(resolve(tiny_args(char_data, out_dir, max_iters=10, eval_interval=10)))
-    return out_dir
+@pytest.fixture
+def sample(script):
+    """sample.py's __main__ in this process: a CompletedProcess-like result."""
+    return lambda *args: script("sample.py", *args)
 
 
-def sample(*args):
-    return subprocess.run([sys.executable, "sample.py", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
-
-
-def test_prints_the_requested_samples_and_the_same_seed_gives_the_same_text(trained):
+def test_prints_the_requested_samples_and_the_same_seed_gives_the_same_text(trained, sample):
     args = [f"--out_dir={trained}", "--start=the king", "--num_samples=3", "--max_new_tokens=25"]
     first = sample(*args, "--seed=7")
     assert first.returncode == 0, first.stderr
@@ -40,7 +26,7 @@ def test_prints_the_requested_samples_and_the_same_seed_gives_the_same_text(trai
     assert sample(*args, "--seed=8").stdout != first.stdout
 
 
-def test_prompt_from_a_file_and_greedy_decoding(trained, tmp_path):
+def test_prompt_from_a_file_and_greedy_decoding(trained, tmp_path, sample):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("a fool ")
     args = [f"--out_dir={trained}", f"--start=FILE:{prompt}", "--num_samples=2",
@@ -52,7 +38,7 @@ def test_prompt_from_a_file_and_greedy_decoding(trained, tmp_path):
     assert first == second and first.startswith("a fool ")
 
 
-def test_top_k_larger_than_the_vocabulary_is_clamped_to_no_filtering(trained):
+def test_top_k_larger_than_the_vocabulary_is_clamped_to_no_filtering(trained, sample):
     args = [f"--out_dir={trained}", "--start=the", "--num_samples=2", "--max_new_tokens=40", "--seed=3"]
     unfiltered = sample(*args, "--top_k=0")
     huge = sample(*args, "--top_k=100000")
@@ -82,25 +68,12 @@ def write(path, data: bytes):
     ([lambda tmp: f"--start=FILE:{write(tmp / 'latin1.txt', b'caf' + bytes([0xE9]))}"],
      "is not UTF-8 text"),
 ])
-def test_bad_input_exits_with_a_clear_message(trained, tmp_path, capsys, args, message):
+def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, message):
     args = [a(tmp_path) if callable(a) else a for a in args]
-    code, err = sample_in_process(capsys, f"--out_dir={trained}", *args)
+    proc = sample(f"--out_dir={trained}", *args)
+    code, err = proc.returncode, proc.stderr
     assert code == 2 and err.startswith("error: ") and message in err, err
     assert err.count("\n") == 1
-
-
-def sample_in_process(capsys, *args):
-    """sample.main's exit status and stderr (in this process: no torch import to wait for)."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        sample_script.main(list(args))
-    return exit_info.value.code, capsys.readouterr().err
-
-
-def copy_run(trained, tmp_path):
-    out = tmp_path / "out"
-    shutil.copytree(trained, out)
-    return out
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -112,17 +85,28 @@ def copy_run(trained, tmp_path):
     (lambda out: torch.save({"model": 1}, out / "best.pt") or (out / "last.pt").unlink(),
      "best.pt is not a GPT checkpoint of this repo (KeyError"),
 ])
-def test_a_broken_out_dir_is_a_clear_error(trained, tmp_path, capsys, damage, message):
-    out = copy_run(trained, tmp_path)
+def test_a_broken_out_dir_is_a_clear_error(trained_copy, tmp_path, sample, damage, message):
+    out = trained_copy
     damage(out)
-    code, err = sample_in_process(capsys, f"--out_dir={out}")
+    proc = sample(f"--out_dir={out}")
+    code, err = proc.returncode, proc.stderr
     assert code == 2 and err.splitlines()[-1].startswith("error: ") and message in err, err
 
 
-def test_a_damaged_best_checkpoint_falls_back_to_last(trained, tmp_path):
-    out = copy_run(trained, tmp_path)
+def test_a_damaged_best_checkpoint_falls_back_to_last(trained_copy, tmp_path, sample):
+    out = trained_copy
     write(out / "best.pt", os.urandom(5000))
     proc = sample(f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=5")
     assert proc.returncode == 0, proc.stderr
     assert f"warning: cannot read checkpoint {out / 'best.pt'}" in proc.stderr
     assert f"# {out / 'last.pt'} (step 10)" in proc.stderr
+
+
+def test_sample_with_a_prompt_and_output_far_past_block_size_finishes(trained, tmp_path, sample):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("the king speaks softly. " * 10)  # 240 characters, block_size 16
+    proc = sample(f"--out_dir={trained}", f"--start=FILE:{prompt}", "--num_samples=2", "--max_new_tokens=2000",
+                  "--device=cpu")
+    assert proc.returncode == 0, proc.stderr
+    samples = [s for s in proc.stdout.split(SEPARATOR) if s.strip()]
+    assert len(samples) == 2 and all(len(s.strip("\n")) == 240 + 2000 for s in samples)

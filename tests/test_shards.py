@@ -20,9 +20,9 @@ import train
 from config import resolve
 from data.dataset import Shard, read_shard_header, write_shard
 from data.tokenizers import gpt2_encoding
-from harness import REPO, make_char_dataset, shard_dataset, tiny_args
+from harness import (REPO, assert_close_runs, ckpt, make_char_dataset, read_epochs, record_epochs, shard_dataset,
+                     tiny_args, train_log, train_run)
 from loader import ShardedTokenLoader, Tokens
-from test_distributed import _record_epochs, assert_close_runs, train_log, train_run
 
 WORDS = ("the king queen fool lord speaks laughs sleeps at night in the hall for love again softly "
          "what news, my good sir? none at all! 'tis cold; 42 ducats").split()
@@ -61,6 +61,7 @@ def prepare(script: str, *args, timeout=120) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_fineweb_prepare_writes_llm_c_shards_of_every_document_after_an_eot(corpus, tmp_path):
     folder, docs = corpus
     out = tmp_path / "fineweb"
@@ -84,6 +85,7 @@ def test_fineweb_prepare_writes_llm_c_shards_of_every_document_after_an_eot(corp
     assert sorted(p.name for p in out.iterdir()) == sorted([e["file"] for e in entries] + ["meta.json"])
 
 
+@pytest.mark.slow
 def test_openwebtext_prepare_splits_documents_by_nanogpts_rule(corpus, tmp_path):
     folder, docs = corpus
     out = tmp_path / "owt"
@@ -99,6 +101,7 @@ def test_openwebtext_prepare_splits_documents_by_nanogpts_rule(corpus, tmp_path)
     assert meta["shards"]["val"][0]["file"] == "openwebtext_val_000000.bin"
 
 
+@pytest.mark.slow
 def test_a_prepare_killed_midway_continues_to_byte_identical_shards(corpus, tmp_path):
     folder, _ = corpus
     args = [f"--input={folder}/part*", "--shard_tokens=3000", "--workers=1"]
@@ -122,6 +125,7 @@ def test_a_prepare_killed_midway_continues_to_byte_identical_shards(corpus, tmp_
     assert {p.name: p.read_bytes() for p in out.iterdir()} == straight  # no temporaries, no progress file
 
 
+@pytest.mark.slow
 def test_preparing_again_leaves_a_finished_dataset_alone(corpus, tmp_path):
     folder, _ = corpus
     args = [f"--input={folder}/part2.jsonl", f"--out_dir={tmp_path}", "--shard_tokens=50000", "--workers=1"]
@@ -188,6 +192,7 @@ def sharded(char_data, tmp_path_factory):
     return shard_dataset(char_data, tmp_path_factory.mktemp("sharded") / "data")
 
 
+@pytest.mark.slow
 def test_world_size_invariance_and_exact_resume_hold_over_shards(sharded, tmp_path):
     for w in (1, 2):
         train_run(w, sharded, tmp_path / f"w{w}")
@@ -195,11 +200,12 @@ def test_world_size_invariance_and_exact_resume_hold_over_shards(sharded, tmp_pa
     legs = tmp_path / "legs"
     train_run(2, sharded, legs, max_iters=4)
     train_run(2, sharded, legs, resume="auto")
-    a, b = (torch.load(d / "last.pt", weights_only=True) for d in (tmp_path / "w2", legs))
+    a, b = ckpt(tmp_path / "w2"), ckpt(legs)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert train_log(tmp_path / "w2") == train_log(legs)
 
 
+@pytest.mark.slow
 def test_epochs_over_shards_never_repeat_a_window_and_resume_on_the_boundary(char_data, tmp_path, monkeypatch):
     (tmp_path / "small").mkdir()
     small = shard_dataset(make_char_dataset(tmp_path / "small", n_chars=3000), tmp_path / "sharded")
@@ -207,13 +213,8 @@ def test_epochs_over_shards_never_repeat_a_window_and_resume_on_the_boundary(cha
     ends = np.cumsum([s["tokens"] for s in meta["shards"]["train"]])
     monkeypatch.setenv("EPOCH_LOG", str(tmp_path / "epochs"))
     common = dict(max_iters=20, lr_decay_iters=20, eval_interval=10)
-    train_run(2, small, tmp_path / "straight", patch=_record_epochs, **common)
-    per_epoch = {}
-    for rank in range(2):
-        for line in (tmp_path / f"epochs.{rank}").read_text().splitlines():
-            event = json.loads(line)
-            if "starts" in event:
-                per_epoch.setdefault(event["epoch"], []).extend(event["starts"])
+    train_run(2, small, tmp_path / "straight", patch=record_epochs, **common)
+    _, per_epoch = read_epochs(tmp_path / "epochs")
     assert len(per_epoch) >= 2
     for starts in per_epoch.values():
         assert len(starts) == len(set(starts))
@@ -222,9 +223,9 @@ def test_epochs_over_shards_never_repeat_a_window_and_resume_on_the_boundary(cha
     steps_per_epoch = len(per_epoch[0]) // 16
     legs = tmp_path / "legs"
     train_run(2, small, legs, **{**common, "max_iters": steps_per_epoch, "eval_interval": steps_per_epoch})
-    assert torch.load(legs / "last.pt", weights_only=True)["loader"]["position"] == steps_per_epoch * 16
+    assert ckpt(legs)["loader"]["position"] == steps_per_epoch * 16
     train_run(2, small, legs, **common, resume="auto")
-    a, b = (torch.load(d / "last.pt", weights_only=True) for d in (tmp_path / "straight", legs))
+    a, b = ckpt(tmp_path / "straight"), ckpt(legs)
     assert a["loader"] == b["loader"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
@@ -236,12 +237,12 @@ def test_epochs_over_shards_never_repeat_a_window_and_resume_on_the_boundary(cha
     (lambda d: (d / "c.jsonl").write_text(""), "the corpus holds no documents"),
     (lambda d: (d / "c.txt").write_text("a short corpus"), "gives no train shard: too small for --shard_tokens"),
 ])
-def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, make, message):
+def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script, make, message):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     make(corpus)
     out = tmp_path / "out"
-    proc = prepare("fineweb", f"--input={corpus}/*", f"--out_dir={out}", "--workers=1")
+    proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--workers=1")
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1
     assert not list(out.glob("*.bin")) and not (out / "meta.json").exists()

@@ -4,16 +4,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
-import torch
 
 import launch
-from harness import REPO, child_env, metrics, tiny_args
+from harness import EXPECTED_FILES, REPO, child_env, ckpt, metrics, tiny_args, wait_for
 from slurm_cluster import SlurmCluster, missing
-
-EXPECTED_FILES = ["best.pt", "config.json", "last.pt", "meta.json", "metrics.jsonl", "previous.pt", "run.lock"]
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +21,7 @@ def slurm():
         yield cluster
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_srun_two_tasks_train_as_two_ranks(slurm, char_data, tmp_path):
     out_dir = tmp_path / "out"
@@ -43,23 +40,16 @@ def test_srun_two_tasks_train_as_two_ranks(slurm, char_data, tmp_path):
     assert sorted(p.name for p in out_dir.iterdir()) == EXPECTED_FILES
 
 
-def wait_for(ready, what: str, timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    while not (result := ready()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return result
-
-
 def job_end(slurm, job: str) -> str:
     """Wait for a job to end and return its state (sbatch --wait polls every few seconds)."""
     def state():
         line = slurm.run("scontrol", "-o", "show", "job", job).stdout
         found = re.search(r"JobState=(\S+)", line).group(1)
         return found if found not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING") else None
-    return wait_for(state, f"job {job} to end")
+    return wait_for(state, what=f"job {job} to end")
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_sbatch_script_stops_on_sigterm_and_resumes(slurm, char_data, tmp_path):
     """scripts/sbatch_two_nodes.sh on one node: srun + torchrun with 2 CPU processes. SIGTERM to
@@ -78,12 +68,12 @@ def test_sbatch_script_stops_on_sigterm_and_resumes(slurm, char_data, tmp_path):
                                *args], cwd=REPO, env=env, capture_output=True, text=True, check=True)
 
     job = sbatch().stdout.strip()
-    wait_for(lambda: log.exists() and "step 0: train loss" in log.read_text(), "training to start")
+    wait_for(lambda: log.exists() and "step 0: train loss" in log.read_text(), what="training to start")
     slurm.run("scancel", "--signal=TERM", job)
     job_end(slurm, job)
     text = log.read_text()
     assert text.count("world size 2") == 2 and "stopped by SIGTERM" in text, text
-    stopped = torch.load(out_dir / "last.pt", weights_only=True)["step"]
+    stopped = ckpt(out_dir)["step"]
 
     args[args.index("--max_iters=100000")] = f"--max_iters={stopped + 2}"
     state = job_end(slurm, sbatch().stdout.strip())

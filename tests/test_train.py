@@ -6,26 +6,19 @@ import pytest
 import torch
 
 import loader
-import train
-from config import resolve
 from errors import ConfigError
-from harness import metrics, tiny_args
-
-
-def run(data_dir, out_dir, **overrides):
-    return train.main(resolve(tiny_args(data_dir, out_dir, **overrides)))
+from harness import EXPECTED_FILES, ckpt, metrics, train_here
 
 
 def test_single_process_run_lowers_val_loss(char_data, tmp_path):
-    run(char_data, tmp_path, max_iters=60, eval_interval=30, log_interval=10)
+    train_here(char_data, tmp_path, max_iters=60, eval_interval=30, log_interval=10)
     evals = [r for r in metrics(tmp_path) if "val_loss" in r]
     assert [r["step"] for r in evals] == [0, 30, 60]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "best.pt", "config.json", "last.pt", "meta.json", "metrics.jsonl", "previous.pt", "run.lock"]
-    ckpt = torch.load(tmp_path / "last.pt", map_location="cpu", weights_only=True)
-    assert ckpt["step"] == 60 and ckpt["loader"]["position"] > 0
-    assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == EXPECTED_FILES
+    saved = ckpt(tmp_path)
+    assert saved["step"] == 60 and saved["loader"]["position"] > 0
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in saved["model"])
 
 
 def test_resume_ends_bit_identical_to_an_uninterrupted_run(char_data, tmp_path):
@@ -33,12 +26,11 @@ def test_resume_ends_bit_identical_to_an_uninterrupted_run(char_data, tmp_path):
     # schedule of the short first leg is the schedule of the whole run
     common = dict(max_iters=24, lr_decay_iters=24, eval_interval=8, dropout=0.1)
     straight, legs = tmp_path / "straight", tmp_path / "legs"
-    run(char_data, straight, **common)
-    run(char_data, legs, **{**common, "max_iters": 8})
-    run(char_data, legs, **{**common, "resume": "auto"})
+    train_here(char_data, straight, **common)
+    train_here(char_data, legs, **{**common, "max_iters": 8})
+    train_here(char_data, legs, **{**common, "resume": "auto"})
 
-    a = torch.load(straight / "last.pt", weights_only=True)
-    b = torch.load(legs / "last.pt", weights_only=True)
+    a, b = ckpt(straight), ckpt(legs)
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
     for pid, state in a["optimizer"]["state"].items():
@@ -50,18 +42,19 @@ def test_resume_ends_bit_identical_to_an_uninterrupted_run(char_data, tmp_path):
 
 
 def test_resume_auto_with_nothing_to_resume_starts_fresh(char_data, tmp_path):
-    result = run(char_data, tmp_path, max_iters=2, resume="auto")
+    result = train_here(char_data, tmp_path, max_iters=2, resume="auto")
     assert result["step"] == 2
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_mixed_precision_runs_lower_the_loss(char_data, tmp_path, dtype):
-    run(char_data, tmp_path, dtype=dtype, max_iters=40, eval_interval=40, log_interval=5)
+@pytest.mark.parametrize("dtype, device", [("bfloat16", "cpu"), ("float16", "cpu"), pytest.param(
+    "bfloat16", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_mixed_precision_runs_lower_the_loss(char_data, tmp_path, dtype, device):
+    train_here(char_data, tmp_path, dtype=dtype, device=device, max_iters=40, eval_interval=40, log_interval=5)
     losses = [r["loss"] for r in metrics(tmp_path) if "loss" in r]
     assert losses[-1] < losses[0] - 0.5
-    ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
-    assert ckpt["model"]["transformer.wte.weight"].dtype == torch.float32  # master weights stay fp32
-    assert bool(ckpt["scaler"]) == (dtype == "float16")  # the scaler is on only for float16
+    saved = ckpt(tmp_path)
+    assert all(w.dtype == torch.float32 for w in saved["model"].values())  # master weights stay fp32
+    assert bool(saved["scaler"]) == (dtype == "float16")  # the scaler is on only for float16
 
 
 def test_missing_dataset_is_prepared_by_local_rank_zero(char_data, tmp_path, monkeypatch):
@@ -75,32 +68,34 @@ def test_missing_dataset_is_prepared_by_local_rank_zero(char_data, tmp_path, mon
 
     monkeypatch.setattr(loader.importlib, "import_module", lambda name: FakePrepare)
     data_dir = tmp_path / "fresh_data"
-    run(data_dir, tmp_path / "out", max_iters=1)
+    train_here(data_dir, tmp_path / "out", max_iters=1)
     assert calls == [str(data_dir)]
 
 
 def test_uneven_global_batch_names_the_three_numbers(char_data, tmp_path):
     with pytest.raises(ConfigError, match=r"global_batch_size \(12\).*batch_size \(8\)"):
-        run(char_data, tmp_path, batch_size=8, global_batch_size=12)
+        train_here(char_data, tmp_path, batch_size=8, global_batch_size=12)
 
 
+@pytest.mark.slow  # inductor compiles in worker processes
 def test_compiled_model_saves_prefix_free_weights(char_data, tmp_path):
-    run(char_data, tmp_path, compile=True, max_iters=4, eval_interval=4)
-    ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
-    assert "transformer.wte.weight" in ckpt["model"]
-    assert not any("_orig_mod" in k or k.startswith("module.") for k in ckpt["model"])
+    train_here(char_data, tmp_path, compile=True, max_iters=4, eval_interval=4)
+    saved = ckpt(tmp_path)
+    assert "transformer.wte.weight" in saved["model"]
+    assert not any("_orig_mod" in k or k.startswith("module.") for k in saved["model"])
 
 
+@pytest.mark.slow  # wandb starts its service process
 def test_wandb_logs_offline_when_asked(char_data, tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is in requirements.txt, but not on every machine")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    run(char_data, tmp_path, wandb_log=True, max_iters=4, eval_interval=4)
+    train_here(char_data, tmp_path, wandb_log=True, max_iters=4, eval_interval=4)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
 
 
 def test_a_fresh_run_in_a_used_out_dir_starts_a_new_log(char_data, tmp_path):
-    run(char_data, tmp_path, max_iters=4, eval_interval=2)
-    run(char_data, tmp_path, max_iters=4, eval_interval=2, resume="never")
+    train_here(char_data, tmp_path, max_iters=4, eval_interval=2)
+    train_here(char_data, tmp_path, max_iters=4, eval_interval=2, resume="never")
     assert [r["step"] for r in metrics(tmp_path) if "val_loss" in r] == [0, 2, 4]
