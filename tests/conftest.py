@@ -23,7 +23,7 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def one_thread(monkeypatch):
-    """train.main gives its process a share of the host's cores (launch.use_device: both of a
+    """train.main gives its process a share of the host's cores (world.use_device: both of a
     2-core machine for one process). Here that process is pytest, shared by every later test,
     and two threads for a tiny model on a busy machine make each op wait for the other thread:
     in this process torch keeps the one thread pytest_configure set."""

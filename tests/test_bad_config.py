@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import checkpoint
-import launch
+import world
 import train
 from config import Config
 from harness import REPO, child_env, free_port, python, run_ranks, tiny_args, train_py
@@ -103,7 +103,7 @@ def cuda_without_bfloat16(data, monkeypatch):
 def dtype_autocast_cannot_run(data, monkeypatch):
     # CPU autocast does not do float64: it warns and turns itself off, as autocast does on
     # a device without bfloat16 (older Macs)
-    monkeypatch.setitem(launch.DTYPES, "bfloat16", torch.float64)
+    monkeypatch.setitem(world.DTYPES, "bfloat16", torch.float64)
 
 
 # (id, extra args or a function of the data folder returning them, a damage(data, monkeypatch)
@@ -324,7 +324,7 @@ def test_an_out_dir_rank_0_cannot_write_stops_every_rank_before_training(char_da
 def test_an_out_dir_in_use_or_that_cannot_be_written_is_one_line(char_data, tmp_path, script):
     # in this process: the lock is an flock, which a second open file of the same process cannot take
     busy = tmp_path / "busy"
-    with checkpoint.OutDirLock(busy, launch.World()):
+    with checkpoint.locked_out_dir(busy, world.World()):
         proc = script("train.py", *tiny_args(char_data, busy, max_iters=2))
     line, = proc.stderr.splitlines()
     assert proc.returncode == 2 and f"out_dir {busy} is in use by the run started" in line, proc.stderr

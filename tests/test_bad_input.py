@@ -67,7 +67,8 @@ def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained
     data = last.read_bytes()
     last.write_bytes(data[: len(data) // 2] if damage == "truncated" else os.urandom(len(data)))
     result = train_here(char_data, out, max_iters=10, eval_interval=5, resume="auto")
-    printed = capsys.readouterr().out
+    printed = capsys.readouterr()
+    printed = printed.out + printed.err  # the warning goes to stderr
     assert f"cannot read checkpoint {last}" in printed and "previous.pt" in printed
     assert "resuming from" in printed and "at step 5" in printed
     assert result["step"] == 10

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from harness import run, train_here
+from harness import REPO, run, train_here
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -66,9 +66,10 @@ def test_bench_figures_are_positive_and_consistent(report):
 @pytest.mark.slow
 def test_measured_state_bytes_confirm_the_memory_formula(report):
     """DDP holds 16 bytes per parameter on every rank; FSDP on 2 ranks about half (each rank its
-    shard): parallel.state_bytes_per_rank, the formula behind the README's memory table."""
+    shard): state_bytes_per_rank, the formula behind scripts/memory_guide.py's table."""
     from model import GPT, GPTConfig
-    from parallel import state_bytes_per_rank
+    sys.path.insert(0, str(REPO / "scripts"))
+    from memory_guide import state_bytes_per_rank
     folder, _ = report
     runs = {(r["strategy"], r["nproc"]): r["state_bytes"] for r in json.loads((folder / "bench.json").read_text())["runs"]}
     n = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=50257)).get_num_params(
@@ -83,7 +84,7 @@ def test_measured_state_bytes_confirm_the_memory_formula(report):
 
 def test_bench_bad_arguments_are_one_line(script):
     for args, needle in ((["--nproc=0"], "at least 1"), (["--strategies=zero3"], "choose from ddp, fsdp"),
-                         (["--nproc=3"], "cannot be split over 3")):
+                         (["--nproc=3"], "x world size (3) = 48: try --global_batch_size=48")):
         proc = script("bench.py", *args)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1

@@ -110,9 +110,9 @@ def test_a_second_run_into_a_busy_out_dir_stops_and_the_first_goes_on(char_data,
 
 @pytest.mark.slow
 def test_a_lock_left_by_a_killed_run_does_not_block(char_data, tmp_path):
-    holder = start([sys.executable, "-c", "import sys, time, checkpoint, launch\n"
-                    f"lock = checkpoint.OutDirLock({str(tmp_path)!r}, launch.World())\n"
-                    "print('held', flush=True); time.sleep(600)"])
+    holder = start([sys.executable, "-c", "import sys, time, checkpoint, world\n"
+                    f"with checkpoint.locked_out_dir({str(tmp_path)!r}, world.World()):\n"
+                    "    print('held', flush=True); time.sleep(600)"])
     wait_for_line(holder, "held")
     blocked = python("train.py", *args_for(char_data, tmp_path, max_iters=2), timeout=120)
     assert blocked.returncode == 2 and f"pid {holder.pid} " in blocked.stderr

@@ -33,11 +33,27 @@ def ddp_reference(char_data, tmp_path_factory):
     return ckpt(out)
 
 
+def record_where_the_model_is_built(rank):
+    """A run_world patch: each rank writes the device its GPT's parameters were created on."""
+    import model
+    original = model.GPT.__init__
+
+    def init(self, config):
+        original(self, config)
+        Path(f"{os.environ['BUILT_LOG']}.{rank}").write_text(str(next(self.parameters()).device))
+    model.GPT.__init__ = init
+
+
 @pytest.fixture(scope="module")
 def fsdp_whole(char_data, tmp_path_factory):
-    """An uninterrupted fsdp run on 2 processes: its out_dir."""
+    """An uninterrupted fsdp run on 2 processes: its out_dir (and built.RANK: where each rank's
+    model was first built)."""
     out = tmp_path_factory.mktemp("fsdp")
-    run(torchrun(args_for(char_data, out, strategy="fsdp")))
+    os.environ["BUILT_LOG"] = str(out / "built")
+    try:
+        run_world(2, args_for(char_data, out, strategy="fsdp"), out / "results", patch=record_where_the_model_is_built)
+    finally:
+        del os.environ["BUILT_LOG"]
     return out
 
 
@@ -56,10 +72,12 @@ def assert_like_ddp(checkpoint, ddp_reference, nproc):
 @pytest.mark.slow
 def test_fsdp_on_2_processes_ends_with_ddps_weights_and_moments(fsdp_whole, ddp_reference):
     assert_like_ddp(ckpt(fsdp_whole), ddp_reference, 2)
+    # only rank 0 ever held the whole model: rank 1 built it on the meta device, then its shard
+    assert [(fsdp_whole / f"built.{r}").read_text() for r in (0, 1)] == ["cpu", "meta"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, extra", [(4, {"batch_size": 2}),
+@pytest.mark.parametrize("nproc, extra", [(4, {"batch_size": 2}), (4, {"batch_size": 2, "fsdp_shard_size": 2}),
                                           (2, {"fsdp_reshard": False, "activation_checkpointing": True, "compile": True})])
 def test_fsdp_weights_equal_ddp_on_the_same_global_batch(char_data, tmp_path, ddp_reference, nproc, extra):
     run(torchrun(args_for(char_data, tmp_path, strategy="fsdp", **extra), nproc))

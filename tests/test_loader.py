@@ -59,12 +59,16 @@ def test_set_epoch_changes_the_order_deterministically(token_file):
     assert not np.array_equal(make(token_file, seed=4).starts, first)
 
 
-def test_next_batch_refuses_to_run_past_the_epoch(token_file):
+def test_next_batch_rolls_into_the_next_epoch_by_itself(token_file):
     loader = make(token_file)
     while not loader.epoch_done:
         loader.next_batch()
-    with pytest.raises(RuntimeError, match="set_epoch"):
-        loader.next_batch()
+    assert loader.epoch == 0
+    x, _ = loader.next_batch()  # what set_epoch(1) on a fresh loader gives first
+    assert loader.epoch == 1 and loader.position == 4
+    fresh = make(token_file)
+    fresh.set_epoch(1)
+    assert starts_of(x) == starts_of(fresh.next_batch()[0])
 
 
 @pytest.mark.parametrize("steps", [3])

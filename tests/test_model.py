@@ -231,9 +231,9 @@ def test_peak_flops_table():
     assert peak_flops_for('cpu') is None
 
 
-def test_crop_block_size():
-    model = small_model(block_size=32)
-    model.crop_block_size(8)
+def test_a_short_block_refuses_longer_input_and_generates_past_it():
+    # (crop_block_size is gone: GPT-2's position table is cropped when its weights are loaded)
+    model = small_model(block_size=8)
     assert model.config.block_size == 8
     assert model.transformer.wpe.weight.shape == (8, 32)
     idx = random_tokens(2, 8, 97)
@@ -242,6 +242,12 @@ def test_crop_block_size():
     with pytest.raises(AssertionError):
         model(random_tokens(2, 9, 97))
     assert model.generate(idx, 12, temperature=0).shape == (2, 20)
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(bias=False, pad_vocab_to=64), dict(n_layer=3, n_embd=48, n_head=4)])
+def test_the_parameter_count_needs_no_model(shape):
+    config = GPTConfig(**{"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 97, **shape})
+    assert config.n_params == sum(p.numel() for p in GPT(config).parameters())
 
 
 def test_a_padded_vocabulary_changes_nothing_the_model_computes():

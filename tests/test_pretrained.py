@@ -17,7 +17,8 @@ import checkpoint  # noqa: E402
 import pretrained  # noqa: E402
 from data.tokenizers import REPO_COPY, gpt2_encoding  # noqa: E402
 from errors import ConfigError  # noqa: E402
-from model import GPT, GPTConfig, gpt2_from_hf  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from pretrained import gpt2_from_hf  # noqa: E402
 
 HF_SHAPE = dict(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2)
 
@@ -247,7 +248,7 @@ def test_a_mistyped_name_gets_a_suggestion():
 
 def test_gpt2_to_hf_is_what_transformers_computes():
     """In process, GPT-2's own layout (biases, no padding); the script is tested below."""
-    from model import gpt2_to_hf
+    from pretrained import gpt2_to_hf
     ours = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50257)).eval()
     hf = hf_model(seed=9)
     missing, unexpected = hf.load_state_dict(gpt2_to_hf(ours), strict=False)

@@ -61,7 +61,7 @@ def write(path, data: bytes):
     (["--temperature=-1"], "--temperature must be >= 0 (0 = greedy), got -1.0"),
     (["--temperature=nan"], "--temperature must be >= 0"),
     (["--top_k=-3"], "--top_k must be >= 0 (0 = no top-k filtering), got -3"),
-    (["--device=tpu"], "--device=tpu is not a device torch knows"),
+    (["--device=tpu"], "device 'tpu' is not one this trainer runs on"),
     (["--start=FILE:/nonexistent/prompt.txt"], "prompt file /nonexistent/prompt.txt does not exist"),
     (["--start="], "the prompt is empty"),
     ([lambda tmp: f"--start=FILE:{write(tmp / 'empty.txt', b'')}"], "the prompt is empty"),

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-import launch
+from world import World, find_world, slurm_first_host
 from harness import EXPECTED_FILES, REPO, child_env, ckpt, metrics, tiny_args, wait_for
 from slurm_cluster import SlurmCluster, missing
 
@@ -95,7 +95,7 @@ def test_sbatch_script_stops_on_sigterm_and_resumes(slurm, char_data, tmp_path):
     ("rack[2-3]-n[1-4],x", "rack2-n1"),  # one range per dimension
 ])
 def test_slurm_first_host_is_the_first_of_the_expanded_list(nodelist, first):
-    assert launch.slurm_first_host(nodelist) == first
+    assert slurm_first_host(nodelist) == first
 
 
 # What `srun -n 2` sets for task 1 on the test cluster (slurm 22.05), less what train.py ignores.
@@ -111,28 +111,28 @@ TWO_NODES_4_EACH = dict(  # srun -N 2 --ntasks-per-node=4, task 5 (second node, 
 
 
 @pytest.mark.parametrize("env, world, master", [
-    (SRUN_TASK_1_OF_2, launch.World(1, 1, 2, 2), ("vm", "29507")),
-    (TWO_NODES_4_EACH, launch.World(5, 1, 8, 4), ("gpu03", "29742")),
+    (SRUN_TASK_1_OF_2, World(1, 1, 2, 2), ("vm", "29507")),
+    (TWO_NODES_4_EACH, World(5, 1, 8, 4), ("gpu03", "29742")),
     # srun -n 8 without --ntasks-per-node sets no SLURM_NTASKS_PER_NODE, only the "(xN)" form
-    ({**TWO_NODES_4_EACH, "SLURM_NTASKS_PER_NODE": None}, launch.World(5, 1, 8, 4), ("gpu03", "29742")),
+    ({**TWO_NODES_4_EACH, "SLURM_NTASKS_PER_NODE": None}, World(5, 1, 8, 4), ("gpu03", "29742")),
     # 7 tasks on 3 nodes as 3,2,2: the last task is the second of the third node
     ({**TWO_NODES_4_EACH, "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_STEP_NODELIST": "n[1-3]",
       "SLURM_NTASKS": "7", "SLURM_STEP_NUM_TASKS": "7", "SLURM_NTASKS_PER_NODE": None,
       "SLURM_TASKS_PER_NODE": "3,2(x2)", "SLURM_STEP_TASKS_PER_NODE": "3,2(x2)",
-      "SLURM_NODEID": "2", "SLURM_PROCID": "6"}, launch.World(6, 1, 7, 2), ("n1", "29742")),
+      "SLURM_NODEID": "2", "SLURM_PROCID": "6"}, World(6, 1, 7, 2), ("n1", "29742")),
     # a step on the second node of a two-node job: rank 0 lives on the step's first node
     ({**SRUN_TASK_1_OF_2, "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_STEP_NODELIST": "gpu04"},
-     launch.World(1, 1, 2, 2), ("gpu04", "29507")),
+     World(1, 1, 2, 2), ("gpu04", "29507")),
     # an address set by hand wins over the node list
     ({**SRUN_TASK_1_OF_2, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"},
-     launch.World(1, 1, 2, 2), ("10.0.0.1", "1234")),
+     World(1, 1, 2, 2), ("10.0.0.1", "1234")),
     # torchrun inside srun (one task per node): torchrun's variables win
     ({**SRUN_TASK_1_OF_2, "RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-      "MASTER_ADDR": "gpu03", "MASTER_PORT": "29500"}, launch.World(3, 1, 8, 4), ("gpu03", "29500")),
+      "MASTER_ADDR": "gpu03", "MASTER_PORT": "29500"}, World(3, 1, 8, 4), ("gpu03", "29500")),
     # `python train.py` in an sbatch -n 2 script: SLURM_PROCID=0 and SLURM_NTASKS=2 are set
     # there too, but no step was launched, so this is one process, not rank 0 waiting for rank 1
     ({k: v for k, v in SRUN_TASK_1_OF_2.items() if "STEP" not in k} | {"SLURM_PROCID": "0",
-      "SLURM_LOCALID": "0"}, launch.World(), (None, None)),
+      "SLURM_LOCALID": "0"}, World(), (None, None)),
 ], ids=["srun-one-host", "two-nodes", "two-nodes-no-ntasks-per-node", "uneven-nodes",
         "step-on-second-node", "master-set-by-hand", "torchrun-in-srun", "sbatch-script-itself"])
 def test_find_world_maps_slurm_variables(monkeypatch, env, world, master):
@@ -142,5 +142,5 @@ def test_find_world_maps_slurm_variables(monkeypatch, env, world, master):
                                                         "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     fake.update({k: v for k, v in env.items() if v is not None})
     monkeypatch.setattr(os, "environ", fake)
-    assert launch.find_world() == world
+    assert find_world() == world
     assert (fake.get("MASTER_ADDR"), fake.get("MASTER_PORT")) == master
