@@ -23,6 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from errors import ConfigError, reported  # noqa: E402
+
 
 def make(folder: Path, n_tokens: int, shards: int) -> list:
     """Sparse token files: one headerless train.bin, or `shards` llm.c shards."""
@@ -78,9 +80,15 @@ def main():
     if args.measure:
         print(json.dumps(measure(json.loads(args.measure), args.block_size, args.batch_size)))
         return
+    try:
+        sizes = [int(float(s)) for s in args.sizes.split(",")]
+    except ValueError:
+        raise ConfigError(f"--sizes={args.sizes}: give sizes in bytes, e.g. --sizes=4e6,4e8") from None
+    if min(sizes) < 1 or args.block_size < 1 or args.batch_size < 1:
+        raise ConfigError("--sizes, --block_size and --batch_size must be positive")
     print(f"| dataset | layout | windows | start-up to first batch | RSS: own memory | RSS: mapped file pages | "
           f"batches/s ({args.batch_size} x {args.block_size + 1} tokens) |\n|---|---|---|---|---|---|---|")
-    for size in (int(float(s)) for s in args.sizes.split(",")):
+    for size in sizes:
         for shards in (1, 20):
             runs = []
             for _ in range(3):  # fresh files and a fresh process each time; the median is shown
@@ -98,4 +106,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with reported():
+        main()

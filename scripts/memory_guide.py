@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.dataset import GPT2_VOCAB_SIZE  # noqa: E402
+from errors import ConfigError, reported  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 SIZES = {"gpt2 (124M)": (12, 12, 768), "gpt2-medium (350M)": (24, 16, 1024),
@@ -79,8 +80,15 @@ def main(argv=None):
     p.add_argument("--world", default="1,2,4,8", help="process counts for the FSDP columns")
     p.add_argument("--batch_size", type=int, default=8)
     args = p.parse_args(argv)
-    print(table([int(w) for w in args.world.split(",")], args.batch_size))
+    try:
+        worlds = [int(w) for w in args.world.split(",")]
+    except ValueError:
+        raise ConfigError(f"--world={args.world}: give process counts, e.g. --world=1,2,4,8") from None
+    if min(worlds) < 1 or args.batch_size < 1:
+        raise ConfigError("--world counts and --batch_size must be positive")
+    print(table(worlds, args.batch_size))
 
 
 if __name__ == "__main__":
-    main()
+    with reported():
+        main()
