@@ -173,10 +173,13 @@ def launch_two_hosts(launch, hosts, dirs: dict, rdzv="static", **kw) -> list:
 
 # --- 1, 2: a run over two hosts gives the numbers of a run on one ------------------------------
 
-@pytest.mark.parametrize("rdzv", ["static", "c10d"])
-def test_two_host_torchrun_matches_one_host(two_hosts, launch, char_data, reference, tmp_path, rdzv):
+@pytest.mark.parametrize("rdzv, strategy", [("static", {}), ("c10d", {}),
+                                            # HSDP: shards within each host, replicas across the two
+                                            ("static", {"strategy": "fsdp", "fsdp_shard_size": 2})],
+                         ids=["static", "c10d", "hsdp"])
+def test_two_host_torchrun_matches_one_host(two_hosts, launch, char_data, reference, tmp_path, rdzv, strategy):
     dirs = host_dirs(tmp_path, char_data)
-    procs = launch_two_hosts(launch, two_hosts, dirs, rdzv=rdzv)
+    procs = launch_two_hosts(launch, two_hosts, dirs, rdzv=rdzv, **strategy)
     assert_succeeded(procs, launch.finish(procs))
     a, b = (p.output() for p in procs)
     assert "rank 0 | local rank 0 | world size 4" in a and "rank 1 | local rank 1 | world size 4" in a

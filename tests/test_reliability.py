@@ -131,7 +131,7 @@ def test_the_dtype_may_change_across_a_resume(char_data, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_dtype_may_change_across_a_resume_under_fsdp(char_data, tmp_path):
-    for step, dtype in ((3, "float32"), (6, "float16"), (9, "bfloat16")):
+    for step, dtype in ((3, "float32"), (6, "float16")):  # the case that crashed: a float16 scaler from nothing
         results = run_world(2, tiny_args(char_data, tmp_path / "out", max_iters=step, eval_interval=3,
                                          dtype=dtype, strategy="fsdp", resume="auto"), tmp_path / f"r{step}")
         assert [r["step"] for r in results] == [step, step]
