@@ -183,10 +183,9 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
                  counts: list = None) -> dict:
     """Tokenize every document of `source` into shards; return the meta.json written.
 
-    route(doc) names the stream a document goes to; split_of_shard[stream](n) the split of
-    that stream's n-th shard. `settings` (whatever decides the output) must match to resume.
-    `counts`, documents per file, may be known beforehand (a split by document needs them).
-    """
+    route(doc) names a document's stream; split_of_shard[stream](n) the split of its n-th shard.
+    `settings` (whatever decides the output) must match to resume. `counts`, documents per
+    file, may be known beforehand (a split by document needs them)."""
     if shard_tokens < 1 or workers < 1:
         raise ValueError(f"--shard_tokens ({shard_tokens}) and --workers ({workers}) must be positive")
     out_dir = Path(out_dir)
@@ -222,26 +221,15 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
             counts[i:i + 1] = [n]  # known before, or the next file read
             first += n
 
-    def blocks(size: int) -> Iterator[list]:
-        block = []
-        for item in documents():
-            block.append(item)
-            if len(block) == size:
-                yield block
-                block = []
-        if block:
-            yield block
-
     def take(encoded):
         for doc, tokens in encoded:
             streams[route(doc)].add(doc, tokens, on_shard)
             bar.update(len(tokens))
 
-    # Two blocks in flight at most: the workers encode one while this process reads the next
-    # and writes shards, so memory stays bounded (Pool.imap would read the whole corpus ahead).
+    # Two blocks in flight at most, so memory stays bounded (Pool.imap would read all ahead).
     with mp.get_context("spawn").Pool(workers, initializer=_start_worker) as pool:
         pending = None
-        for block in blocks(workers * 64):
+        for block in _blocks(documents(), workers * 64):
             submitted = pool.map_async(_encode, block, chunksize=16)
             if pending is not None:
                 take(pending.get())
@@ -249,13 +237,31 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
         if pending is not None:
             take(pending.get())
     bar.close()
+    return _finish(source, out_dir, streams, counts, settings, shard_tokens, bar.n, on_shard)
+
+
+def _blocks(items: Iterator, size: int) -> Iterator[list]:
+    """`items` in lists of `size` (the last may be shorter)."""
+    block = []
+    for item in items:
+        block.append(item)
+        if len(block) == size:
+            yield block
+            block = []
+    if block:
+        yield block
+
+
+def _finish(source: Source, out_dir: Path, streams: dict, counts: list, settings: dict, shard_tokens: int,
+            tokens: int, on_shard) -> dict:
+    """Write each stream's last shard and meta.json, once the corpus is known to give both splits."""
     end_doc = sum(counts)
     if not end_doc:
         raise ValueError(f"the corpus holds no documents ({', '.join(source.names)})")
     splits = {sh["split"] for s in streams.values() for sh in s.shards} | {
         s.split_of_shard(len(s.shards)) for s in streams.values() if s.filled}
     for split in sorted({"train", "val"} - splits):  # checked before the last shards are written
-        raise ValueError(f"the corpus ({end_doc:,} documents, {bar.n:,} tokens) gives no {split} "
+        raise ValueError(f"the corpus ({end_doc:,} documents, {tokens:,} tokens) gives no {split} "
                          f"shard: too small for --shard_tokens={shard_tokens}")
     for stream in streams.values():
         stream.finish(end_doc, on_shard)
