@@ -287,7 +287,7 @@ def main(argv=None):
     nprocs = parse_list("nproc", opts["nproc"], int)
     strategies = parse_list("strategies", opts["strategies"], str, CHOICES["strategy"])
     cfg = resolve(cfg_args)  # a bad config, device, dataset or size fails here, once, not in every worker
-    world = setup(cfg)
+    world = setup(cfg, claim=False)
     meta = None if synthetic(cfg_args) else Dataset(cfg).meta
     shape = GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
                       bias=cfg.bias, vocab_size=(meta or {"vocab_size": GPT2_VOCAB})["vocab_size"],

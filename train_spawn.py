@@ -39,7 +39,7 @@ def main(argv=None):
             nproc = int(text)
         # a bad config or device fails here once, not in N children
         cfg = resolve(strip_local_rank([a for a in args if a != "--debug"]))
-        setup(cfg)
+        setup(cfg, claim=False)
         accumulation_steps(cfg, nproc)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))

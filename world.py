@@ -149,7 +149,8 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     dtype = DTYPES[name]
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("this GPU cannot run bfloat16: use --dtype=float16")
-    if dtype != torch.float32 and not autocast_runs(device, dtype):
+    # (CUDA's autocast runs both half dtypes; elsewhere try it, without touching a GPU in a parent)
+    if dtype != torch.float32 and device.type != "cuda" and not autocast_runs(device, dtype):
         raise ConfigError(f"dtype={name} cannot run on {device} here (autocast does not support "
                           f"it): use --dtype=float32 or --dtype=auto")
     return dtype
@@ -210,19 +211,21 @@ def accumulation_steps(cfg: Config, world_size: int) -> int:
     return cfg.global_batch_size // (cfg.batch_size * world_size)
 
 
-def place(device: str, dtype: str, backend: str) -> World:
-    """Ranks, device, dtype and backend, all checked before any group forms (eval.py's start-up)."""
+def place(device: str, dtype: str, backend: str, claim: bool = True) -> World:
+    """Ranks, device, dtype and backend, all checked before any group forms (eval.py's start-up).
+    claim=False only checks: a launcher's parent (train_spawn, bench) takes no GPU or threads."""
     world = find_world()
     world.device = pick_device(device, world)
     world.dtype = pick_dtype(dtype, world.device)
     world.backend = pick_backend(backend, world.device)
-    use_device(world)
+    if claim:
+        use_device(world)
     return world
 
 
-def setup(cfg: Config) -> World:
+def setup(cfg: Config, claim: bool = True) -> World:
     """place() and the accumulation steps, checked before any group forms."""
-    world = place(cfg.device, cfg.dtype, cfg.backend)
+    world = place(cfg.device, cfg.dtype, cfg.backend, claim)
     world.accum = accumulation_steps(cfg, world.size)
     if cfg.fsdp_shard_size and world.size % cfg.fsdp_shard_size:
         raise ConfigError(f"fsdp_shard_size ({cfg.fsdp_shard_size}) must divide the world size ({world.size}): "
