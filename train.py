@@ -223,6 +223,8 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
 # -----------------------------------------------------------------------------
 # the loop
 
+AGREE_EVERY = 10  # steps between the ranks' agreements on rare events, when log_interval is longer
+
 def check_log(log: Logger, run: Run):
     """Rank 0 could not write its log files (a full disk): every rank stops, with one message."""
     if any_rank(log.failure is not None, run.world):
@@ -285,7 +287,8 @@ def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[s
             step_loss, grad_norm = optimizer_step(run)  # micro-steps, clip, step
             run.step += 1
 
-            if run.step % cfg.log_interval == 0 or run.step == cfg.max_iters:
+            at_log = run.step % cfg.log_interval == 0 or run.step == cfg.max_iters
+            if at_log or run.step % AGREE_EVERY == 0:  # a stop signal waits at most AGREE_EVERY steps
                 # one all-reduce: the loss over ranks, any rank's stop signal, bad token id or log failure
                 loss, signum, (bad_tokens, log_failure) = log_step(
                     step_loss, stop.received, [run.loader.tokens.bad, log.failure], world)
@@ -296,8 +299,9 @@ def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[s
                 if not math.isfinite(loss):
                     raise Diverged(f"the training loss is {loss} at step {run.step}", cfg.learning_rate,
                                    run.saved_step)
-                log.train_step(run.step, loss, lr, None if grad_norm is None else grad_norm.item(),
-                               cfg.batch_size * world.accum)
+                if at_log:
+                    log.train_step(run.step, loss, lr, None if grad_norm is None else grad_norm.item(),
+                                   cfg.batch_size * world.accum)
                 if signum and run.step < cfg.max_iters:  # the last step still evaluates and saves
                     run.save(best=False)
                     stopped = signum
