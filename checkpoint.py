@@ -1,29 +1,38 @@
-"""Checkpoint files: written atomically by rank 0, read with weights_only=True, checked.
+"""Checkpoints in two formats, written atomically, read without running code, checked.
 
-A checkpoint is a dict of tensors and plain Python values, so that
-`torch.load(path, weights_only=True)` reads it and nothing in it can run code. Only global
-rank 0 touches out_dir; train.py hands the state to the other ranks (parallel.py,
-collectives.py), so hosts need no shared disk. last.pt is the newest, previous.pt the one
-before it, best.pt the one with the lowest validation loss.
+file (default): NAME.pt, one file that global rank 0 writes; a dict of tensors and plain Python
+    values, so `torch.load(path, weights_only=True)` reads it. Hosts need no shared disk:
+    train.py hands the state to the other ranks (parallel.py, collectives.py).
+sharded: NAME.dcp, a torch.distributed.checkpoint (DCP) folder into which every rank writes
+    its own shards in parallel (storage every rank sees), plus run.json, the plain values.
+    Read back resharded to any world size and strategy; its .metadata (a pickle) is read by
+    an unpickler that builds only DCP's own metadata classes, and holds tensors only.
+last is the newest checkpoint, previous the one before it, best the one with the lowest
+validation loss; resume=auto takes the newest complete one of either format.
 """
 
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import json
 import os
+import pickle
 import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from config import Config
-from data.files import atomic_write, remove_stale_temporaries
+from data.files import atomic_write, atomic_write_bytes, remove_stale_temporaries
+from collectives import agree_or_raise, any_rank, broadcast_json, first_error
 from errors import ConfigError, OutDirBusy, OutDirUnwritable, first_line
 from model import GPT, GPTConfig
 
@@ -115,19 +124,33 @@ def locked_out_dir(out_dir, world):
             os.close(fd)  # drops the lock; the file stays (unlinking it would race a new run)
 
 
-def find(cfg: Config):
-    """The checkpoint to resume from on this host, or None."""
-    if cfg.resume == "never":
-        path = None
-    elif cfg.resume == "auto":
-        path = Path(cfg.out_dir) / "last.pt"
-    else:
-        path = Path(cfg.resume)
-    if path is not None and path.exists():
-        return path
-    if cfg.init_from == "resume" or cfg.resume not in ("auto", "never"):
-        raise ConfigError(f"nothing to resume from: {path or 'resume=never'} does not exist")
-    return None
+def newest(paths: list) -> list:
+    """The checkpoints among `paths` that exist, the most recently written first (not the
+    highest step: a fresh run into a used out_dir makes the old run's last its previous).
+    An unreadable one is reported and put last, so a readable one is preferred to it."""
+    found = []
+    for i, path in enumerate(p for p in paths if p.exists()):
+        try:
+            read(path, tensors=False)
+            written = (path / ".metadata" if path.is_dir() else path).stat().st_mtime_ns
+        except (UnreadableCheckpoint, OSError) as e:
+            print(f"warning: {e}", file=sys.stderr, flush=True)
+            written = -1
+        found.append((-written, i, path))
+    return [path for *_, path in sorted(found)]
+
+
+def find(cfg: Config) -> list:
+    """The checkpoints to resume from, the one to try first first: with resume=auto, last and
+    previous of either format in out_dir, the newest first; else the one named."""
+    out = Path(cfg.out_dir)
+    paths = ([] if cfg.resume == "never" else [Path(cfg.resume)] if cfg.resume != "auto" else
+             [out / f"{kind}{suffix}" for kind in ("last", "previous") for suffix in (".pt", ".dcp")])
+    paths = newest(paths)
+    if not paths and (cfg.init_from == "resume" or cfg.resume not in ("auto", "never")):
+        what = {"auto": f"no last.pt, last.dcp or previous one in {out}", "never": "resume=never forbids one"}
+        raise ConfigError(f"nothing to resume from: {what.get(cfg.resume, f'{cfg.resume} does not exist')}")
+    return paths
 
 
 REQUIRED = ("model", "optimizer", "scaler", "step", "best_val_loss", "config", "model_args", "loader",
@@ -138,10 +161,14 @@ class UnreadableCheckpoint(ConfigError):
     """The file is not a checkpoint torch can read as plain data."""
 
 
-def read(path: Path):
-    """torch.load with weights_only=True: tensors and plain values only, never code."""
+def read(path: Path, tensors: bool = True):
+    """A checkpoint's dict: torch.load with weights_only=True (tensors and plain values only,
+    never code), or a sharded folder read through DCP. tensors=False: a .pt is mapped, not read;
+    a .dcp gives its plain values only."""
+    if path.suffix == ".dcp":
+        return read_sharded(path, tensors)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=not tensors)
     except Exception as e:  # nothing in a bad file may end in a traceback
         if isinstance(e, EOFError) or "zip archive" in str(e):
             reason = "it is truncated or not a torch checkpoint at all"
@@ -154,8 +181,9 @@ def read(path: Path):
 
 
 def load(path: Path, model_args: dict, cfg: Config) -> dict:
-    """Read and check a checkpoint against the run that wants to continue it."""
-    ckpt = read(path)
+    """Read and check a checkpoint against the run that wants to continue it (a .dcp folder's
+    tensors are not read here: every rank loads its own shards)."""
+    ckpt = read(path, tensors=path.suffix != ".dcp")
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         version = ckpt.get("format") if isinstance(ckpt, dict) else None
         raise ConfigError(f"{path}: checkpoint format {version} is not {FORMAT}, "
@@ -196,23 +224,19 @@ def read_first(paths: list, use):
 
 
 def load_for_resume(cfg: Config, model_args: dict):
-    """The checkpoint this run continues from, or None; with resume=auto, a damaged
-    last.pt falls back to previous.pt."""
-    path = find(cfg)
-    if path is None:
-        return None
-    previous = path.with_name("previous.pt")
-    paths = [path, previous] if cfg.resume == "auto" and previous.exists() else [path]
-    return read_first(paths, lambda p: load(p, model_args, cfg))
+    """The checkpoint this run continues from, or None; with resume=auto, a damaged newest one
+    falls back to the next newest (last -> previous)."""
+    paths = find(cfg)
+    return read_first(paths, lambda p: load(p, model_args, cfg)) if paths else None
 
 
 def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
-    """(model in eval mode, meta.json, path, step) of a training run, for sample.py and
-    scripts/export_hf.py: best.pt, else last.pt (or the other way round)."""
-    names = ("best.pt", "last.pt") if prefer == "best" else ("last.pt", "best.pt")
-    paths = [out_dir / name for name in names if (out_dir / name).exists()]
+    """(model in eval mode, meta.json, path, step) of a training run, for sample.py, eval.py and
+    scripts/export_hf.py: best, else last (or the other way round), of either format."""
+    kinds = ("best", "last") if prefer == "best" else ("last", "best")
+    paths = [p for kind in kinds for p in newest([out_dir / f"{kind}.pt", out_dir / f"{kind}.dcp"])]
     if not paths:
-        raise ConfigError(f"no best.pt or last.pt in {out_dir}: train first, or pass --out_dir")
+        raise ConfigError(f"no best.pt or last.pt in {out_dir} (nor a .dcp folder): train first, or pass --out_dir")
 
     def build(path):
         ckpt = read(path)
@@ -238,3 +262,224 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
         raise ConfigError(f"{meta_path} has a vocabulary of {meta['vocab_size']} tokens but {path} was "
                           f"trained with {model.config.vocab_size}: they come from different runs")
     return model.eval().to(device), meta, path, step
+
+
+# -----------------------------------------------------------------------------
+# the sharded format: a torch.distributed.checkpoint folder, written by every rank
+
+TMP = ".last.dcp.tmp"  # a save in progress; remove_stale_temporaries deletes one a kill left
+# DCP in one process (no_dist=True, as asked) still warns that it assumes one process
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP writes .metadata with pickle; this builds DCP's own metadata classes, torch.Size,
+    dtypes and layouts, and refuses every other global, so a crafted file cannot run code. (DCP
+    stores non-tensor entries as pickles too: BytesStorageMetadata is refused, so none is read.)"""
+    ALLOWED = {("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+        "StorageMeta", "_MEM_FORMAT_ENCODING")} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which a sharded checkpoint of this repo never holds")
+
+
+def _reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()  # as FileSystemReader does
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+    return SafeReader(path)
+
+
+def _reason(e: BaseException) -> str:
+    """One line for a failed DCP save or load: the lowest failing rank's own exception."""
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, trace)}
+    if failures:
+        rank, (exc, _) = min(failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {type(exc).__name__}: {first_line(exc)}"
+    return f"{type(e).__name__}: {first_line(e)}"
+
+
+def _sharded_parts(path: Path):
+    """(run.json's values, DCP metadata) of a complete sharded checkpoint; else UnreadableCheckpoint
+    naming what is missing. Complete: run.json, .metadata, and every file the metadata points
+    into, at least as long as the data it expects there."""
+    def unreadable(reason):
+        return UnreadableCheckpoint(f"cannot read checkpoint {path}: {reason}")
+    for name in ("run.json", ".metadata"):
+        if not (path / name).is_file():
+            raise unreadable(f"{name} is missing; the save that wrote it did not finish")
+    try:
+        metadata = _reader(path).read_metadata()
+        run_state = json.loads((path / "run.json").read_text())
+    except Exception as e:
+        raise unreadable(f"its metadata is damaged ({type(e).__name__}: {first_line(e)})") from None
+    ends = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        if not (path / name).is_file():
+            raise unreadable(f"{name} (one rank's part) is missing")
+        if (path / name).stat().st_size < end:
+            raise unreadable(f"{name} is cut short ({(path / name).stat().st_size} of {end} bytes)")
+    return run_state, metadata
+
+
+def load_sharded(path: Path, state: dict, world=None):
+    """Fill `state` (tensors, or DTensors holding this rank's shards) from a sharded checkpoint,
+    resharded by DCP; every rank of `world` calls it (world=None: this process alone)."""
+    import torch.distributed.checkpoint as dcp
+    alone = world is None or world.size == 1
+    try:
+        dcp.load(state, storage_reader=_reader(path), process_group=None if alone else world.group, no_dist=alone)
+    except (Exception, dcp.api.CheckpointException) as e:
+        raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {_reason(e)}") from None
+
+
+def read_sharded(path: Path, tensors: bool) -> dict:
+    """A sharded checkpoint as the file format's dict (tensors=False: the plain values only,
+    model/optimizer/rng None and sharded=True, for a resume where every rank loads its shards)."""
+    state, metadata = _sharded_parts(path)
+    if not tensors:
+        return {**state, "model": None, "optimizer": None, "rng": None, "sharded": True}
+    flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()}
+    load_sharded(path, flat)
+    model = {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
+    model["lm_head.weight"] = model["transformer.wte.weight"]  # tied: saved once
+    # optimizer: names -> positions, the layout of torch.optim's state_dict() (parallel.full_state)
+    groups = state.pop("param_groups")
+    position = {name: i for i, name in enumerate(n for g in groups for n in g["params"])}
+    optim = {}
+    for key, value in flat.items():
+        if key.startswith("optimizer."):
+            name, stat = key.removeprefix("optimizer.").rsplit(".", 1)
+            optim.setdefault(position[name], {})[stat] = value
+    groups = [{k: [position[n] for n in v] if k == "params" else tuple(v) if isinstance(v, list) else v
+               for k, v in g.items()} for g in groups]
+    state.pop("rng_shapes")
+    return {**state, "model": model, "optimizer": {"state": dict(sorted(optim.items())), "param_groups": groups},
+            "rng": {k.removeprefix("rng."): v for k, v in flat.items() if k.startswith("rng.")}}
+
+
+def _fsync_dir(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_dir(src: Path, dst: Path):
+    """Move folder src to dst, replacing it: renames (atomic each), the old dst deleted last."""
+    trash = dst.with_name(f".{dst.name}.old.tmp")
+    shutil.rmtree(trash, ignore_errors=True)
+    if dst.exists():
+        os.replace(dst, trash)
+    os.replace(src, dst)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _commit(out_dir: Path, best: bool):
+    """Rank 0, once every rank's part and the metadata are written: last.dcp becomes previous.dcp
+    and the new folder last.dcp. A kill at any moment leaves a complete last.dcp or previous.dcp
+    (resume=auto takes the newest complete one); best.dcp is hard links to last.dcp's files."""
+    last = out_dir / "last.dcp"
+    if last.exists():
+        _replace_dir(last, out_dir / "previous.dcp")
+    os.replace(out_dir / TMP, last)
+    if best:
+        tmp = out_dir / ".best.dcp.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(last, tmp, copy_function=lambda s, d: link_or_copy(Path(s), Path(d)))
+        _replace_dir(tmp, out_dir / "best.dcp")
+    _fsync_dir(out_dir)
+
+
+class Background:
+    """A sharded save that DCP's thread is writing; rank 0 commits it as soon as it completes."""
+
+    def __init__(self, future, out_dir: Path, best: bool, commit: bool, step: int):
+        self.step, self.error, self.finished = step, None, threading.Event()
+
+        def done(f):
+            try:
+                f.result()
+                if commit:
+                    _commit(out_dir, best)
+            except BaseException as e:
+                self.error = _reason(e)
+            self.finished.set()
+        future.add_done_callback(done)
+
+    def failure(self, wait: bool):
+        """Why it failed, once it has; None while it runs or after it succeeded (wait: block until done)."""
+        if wait:
+            self.finished.wait()
+        return self.error
+
+
+def save_sharded(tensors: dict, run_state: dict, out_dir: Path, best: bool, world, background=False, group=None):
+    """Every rank writes its shards of `tensors` (rank 0 also run.json, the plain values) into
+    out_dir/.last.dcp.tmp; then rank 0 commits it (_commit). background (async_checkpoint): DCP
+    copies the tensors now and writes them from a thread, over `group` (a gloo group of its own);
+    returns a Background, which commits when the write completes. Raises OSError on every rank
+    when any rank failed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    tmp, failure = out_dir / TMP, None
+    if world.is_master:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            atomic_write_bytes(tmp / "run.json", json.dumps(run_state).encode())
+        except OSError as e:
+            failure = first_line(e)
+    if any_rank(failure is not None, world):
+        raise OSError(first_error(failure, world))
+    alone = world.size == 1
+    if background:
+        future = dcp.async_save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=alone,
+                                process_group=None if alone else group)
+        return Background(future, out_dir, best, world.is_master, run_state["step"])
+    try:
+        dcp.save(tensors, storage_writer=FileSystemWriter(tmp), process_group=world.group, no_dist=alone)
+    except dcp.api.CheckpointException as e:
+        raise OSError(_reason(e)) from None
+    if world.is_master:
+        _commit(out_dir, best)
+
+
+def check_shared(folder: Path, world, what: str):
+    """Stop every rank, with one message, unless each sees rank 0's `folder`: the sharded format
+    needs storage every rank sees. Checked by content, not by name (another host may hold an old
+    copy at the same path): a checkpoint folder's run.json, else a fresh probe file."""
+    if world.size == 1:
+        return
+    probe, digest = None, lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
+    if world.is_master:
+        probe = folder / "run.json" if (folder / "run.json").is_file() else folder / f".shared.{os.getpid()}.tmp"
+        if probe.suffix == ".tmp":
+            probe.write_text(os.urandom(16).hex())
+    try:
+        name, expected = broadcast_json(probe and [probe.name, digest(probe)], world)
+        try:
+            seen = digest(folder / name) == expected
+        except OSError:
+            seen = False
+        agree_or_raise(None if seen else
+                       f"rank {world.rank} on {socket.gethostname()} does not see rank 0's {folder} ({what}): "
+                       f"checkpoint_format=sharded needs storage every rank sees (a shared filesystem); "
+                       f"use --checkpoint_format=file, which needs none", world)
+    finally:
+        if probe is not None and probe.suffix == ".tmp":
+            probe.unlink(missing_ok=True)

@@ -38,7 +38,11 @@ class Config:
     prepare_input: str = ""                 # a local text file for prepare.py instead of a download
     init_from: str = "scratch"              # weights when nothing is resumed: "scratch", "resume" (a checkpoint
                                             # must exist), gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a folder
-    resume: str = "auto"                    # continue a checkpoint: "auto" (out_dir/last.pt if present), "never", or a .pt path
+    resume: str = "auto"                    # continue a checkpoint: "auto" (the newest in out_dir, either format),
+                                            # "never", or a path (a .pt file or a .dcp folder)
+    checkpoint_format: str = "file"         # "file": one .pt written by rank 0; "sharded": a .dcp folder (DCP)
+                                            # every rank writes its shards into (storage every rank sees)
+    async_checkpoint: bool = False          # sharded: write the checkpoint in the background while training goes on
     eval_interval: int = 250                # optimizer steps between evals (and checkpoints)
     eval_iters: int = 20                    # eval windows per split = eval_iters x global_batch_size
     log_interval: int = 10                  # optimizer steps between train-loss logs
@@ -96,6 +100,7 @@ CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "backend": ("auto", "gloo", "nccl", "mpi"),
     "strategy": ("ddp", "fsdp"),
+    "checkpoint_format": ("file", "sharded"),
 }
 
 
@@ -212,8 +217,11 @@ def validate(cfg: Config) -> Config:
          f"fsdp_shard_size={cfg.fsdp_shard_size} shards the model: it needs --strategy=fsdp")
     for name, choices in CHOICES.items():
         need(getattr(cfg, name) in choices, f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
-    need(cfg.resume in ("auto", "never") or Path(cfg.resume).suffix == ".pt",
-         f"resume must be 'auto', 'never' or a path to a .pt checkpoint, got {cfg.resume!r}")
+    need(cfg.resume in ("auto", "never") or Path(cfg.resume).suffix in (".pt", ".dcp"),
+         f"resume must be 'auto', 'never' or a path to a .pt file or .dcp folder, got {cfg.resume!r}")
+    need(not cfg.async_checkpoint or cfg.checkpoint_format == "sharded",
+         "async_checkpoint writes in the background through torch.distributed.checkpoint: it needs "
+         "--checkpoint_format=sharded")
     known = ("scratch", "resume", *GPT2_NAMES)
     if cfg.init_from not in known and "/" not in cfg.init_from and not _exists(cfg.init_from):
         close = difflib.get_close_matches(cfg.init_from, known, n=1)

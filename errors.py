@@ -96,30 +96,31 @@ class CollectiveFailed(RunError):
             f"on rank 0's host: relaunch with resume=auto to continue.")
 
 
-def _kept(saved_step) -> str:
-    return (f"last.pt holds step {saved_step}, the last good one" if saved_step is not None
+def _kept(saved) -> str:
+    """saved: (file name, step) of the newest checkpoint this run wrote, or None."""
+    return (f"{saved[0]} holds step {saved[1]}, the last good one" if saved is not None
             else "no checkpoint of this run was written yet")
 
 
 class Diverged(RunError):
-    def __init__(self, what: str, learning_rate: float, saved_step):
+    def __init__(self, what: str, learning_rate: float, saved):
         super().__init__(
             f"{what}. Likely causes: a learning rate too high (learning_rate={learning_rate:g}: try "
             f"a smaller one or a longer warmup), float16 overflow (try --dtype=bfloat16), or bad "
-            f"data. Nothing was saved from this state: {_kept(saved_step)}.")
+            f"data. Nothing was saved from this state: {_kept(saved)}.")
 
 
 class CheckpointNotWritten(RunError):
-    def __init__(self, step: int, failure: str, saved_step):
+    def __init__(self, step: int, failure: str, saved):
         super().__init__(
-            f"rank 0 could not write a checkpoint at step {step} ({failure}); {_kept(saved_step)}: free "
+            f"could not write a checkpoint at step {step} ({failure}); {_kept(saved)}: free "
             f"disk space or choose another out_dir, then relaunch with resume=auto.")
 
 
 class LogNotWritten(RunError):
-    def __init__(self, failure: str, saved_step):
+    def __init__(self, failure: str, saved):
         super().__init__(
-            f"rank 0 {failure}; {_kept(saved_step)}: free disk space, then relaunch with "
+            f"rank 0 {failure}; {_kept(saved)}: free disk space, then relaunch with "
             f"resume=auto (a line cut short is dropped).")
 
 

@@ -9,11 +9,12 @@ fsdp  PyTorch's FSDP2 (fully_shard): each transformer block, then the root (embe
       parameters after forward (ZeRO-3: least memory, a second all-gather in backward);
       False keeps them until backward (ZeRO-2-like: more memory, less communication).
 
-Both strategies read and write the same checkpoints: the full state dict, gathered to rank 0,
-with the optimizer state keyed as torch.optim's own state_dict() keys it (by parameter
-position), so a checkpoint of one strategy resumes under the other, at any world size. On a
-resume rank 0 reads the file and PyTorch's state-dict API (broadcast_from_rank0) hands each
-rank its part.
+Both strategies read and write the same checkpoints, so a checkpoint of one resumes under the
+other, at any world size. The file format holds the full state dict, gathered to rank 0, with
+the optimizer state keyed as torch.optim's own state_dict() keys it (by parameter position); on
+a resume rank 0 reads the file and PyTorch's state-dict API (broadcast_from_rank0) hands each
+rank its part. The sharded format holds each rank's own part, keyed by parameter name
+(sharded_state), which DCP reshards on load.
 """
 
 from contextlib import contextmanager, nullcontext
@@ -150,6 +151,25 @@ def load_full_state(raw_model, optimizer, world: World, model_sd: dict, optim_sd
                         "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                                          for g in optim_sd["param_groups"]]}
         set_optimizer_state_dict(raw_model, optimizer, optim_sd, options=options)
+
+
+def sharded_state(raw_model, optimizer) -> tuple:
+    """({"model": ..., "optimizer": ...} of this rank's tensors, DTensor shards under FSDP, the
+    optimizer's param_groups): what a sharded checkpoint holds, and, filled by DCP, what a resume
+    loads. Parameters keyed by name; the tied lm_head.weight is kept once, as wte's."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    model_sd = get_model_state_dict(raw_model)
+    model_sd.pop("lm_head.weight", None)
+    optim_sd = get_optimizer_state_dict(raw_model, optimizer)  # creates AdamW's moments if not yet there
+    return {"model": model_sd, "optimizer": optim_sd["state"]}, optim_sd["param_groups"]
+
+
+def load_sharded_state(raw_model, optimizer, tensors: dict, param_groups: list):
+    """Load what sharded_state gave, after DCP filled it, and the saved param_groups."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    model_sd = {**tensors["model"], "lm_head.weight": tensors["model"]["transformer.wte.weight"]}
+    set_model_state_dict(raw_model, model_sd)
+    set_optimizer_state_dict(raw_model, optimizer, {"state": tensors["optimizer"], "param_groups": param_groups})
 
 
 def memory_problem(model_cfg, cfg, world: World, strategy: str):

@@ -23,6 +23,7 @@ already given up.
 import math
 import signal
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -117,28 +118,51 @@ class Run:
     best_val_loss: float = math.inf
     val_loss: Optional[float] = None
     resumed_from: Optional[str] = None
-    saved_step: Optional[int] = None  # the step last.pt holds, for messages
+    last_saved: Optional[tuple] = None  # (file name, step) of the newest checkpoint written, for messages
+    pending: Optional[checkpoint.Background] = None  # async_checkpoint: the save being written
+    save_group: object = None  # async_checkpoint: the gloo group its background writes use
     hellaswag_step: int = -1  # the step HellaSwag was last evaluated at: a resume neither repeats nor skips one
 
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.global_batch_size * self.cfg.block_size
 
+    @property
+    def saved(self) -> Optional[tuple]:
+        if self.pending is not None and self.pending.finished.is_set() and self.pending.error is None:
+            return "last.dcp", self.pending.step
+        return self.last_saved
+
+    def run_state(self) -> dict:
+        """The plain values of a checkpoint, in either format."""
+        return dict(format=checkpoint.FORMAT, scaler=self.scaler.state_dict(), step=self.step,
+                    tokens_seen=self.step * self.tokens_per_step, val_loss=self.val_loss,
+                    best_val_loss=self.best_val_loss, hellaswag_step=self.hellaswag_step, config=self.cfg.to_dict(),
+                    model_args=self.model_args, loader=self.loader.state_dict(), world_size=self.world.size)
+
     def state_dict(self) -> dict:
-        """Every rank calls it: the RNG states are gathered from all ranks."""
+        """The file format's checkpoint. Every rank calls it: the RNG states are gathered from
+        all ranks, FSDP's shards to rank 0 (the other ranks get None for the model and optimizer)."""
         rng = gather_rng_states(self.world)
-        model, optimizer = parallel.full_state(self.raw_model, self.optimizer)  # FSDP: on rank 0 only
-        return dict(format=checkpoint.FORMAT, model=model, optimizer=optimizer, scaler=self.scaler.state_dict(),
-                    step=self.step, tokens_seen=self.step * self.tokens_per_step,
-                    val_loss=self.val_loss, best_val_loss=self.best_val_loss, hellaswag_step=self.hellaswag_step,
-                    config=self.cfg.to_dict(), model_args=self.model_args,
-                    loader=self.loader.state_dict(), rng=rng, world_size=self.world.size)
+        model, optimizer = parallel.full_state(self.raw_model, self.optimizer)
+        return dict(self.run_state(), model=model, optimizer=optimizer, rng=rng)
 
     def load_state_dict(self, ckpt: dict):
-        """Every rank calls it; only rank 0's ckpt holds the tensors (the others' are None)."""
-        parallel.load_full_state(self.raw_model, self.optimizer, self.world, ckpt["model"] or {},
-                                 ckpt["optimizer"] or {})
-        self.step = self.saved_step = ckpt["step"]
+        """Every rank calls it. File format: only rank 0's ckpt holds the tensors (the others'
+        are None). Sharded: every rank reads its own part, resharded to this world by DCP."""
+        if ckpt.get("sharded"):
+            path = Path(ckpt["path"])
+            checkpoint.check_shared(path, self.world, "to resume from it")
+            tensors, _ = parallel.sharded_state(self.raw_model, self.optimizer)  # this world's shards, to fill
+            tensors["rng"] = {k: torch.empty(shape, dtype=torch.uint8) for k, shape in ckpt["rng_shapes"].items()}
+            checkpoint.load_sharded(path, tensors, self.world)
+            parallel.load_sharded_state(self.raw_model, self.optimizer, tensors, ckpt["param_groups"])
+            ckpt = {**ckpt, "rng": tensors["rng"]}
+        else:
+            parallel.load_full_state(self.raw_model, self.optimizer, self.world, ckpt["model"] or {},
+                                     ckpt["optimizer"] or {})
+        self.step = ckpt["step"]
+        self.last_saved = (Path(ckpt["path"]).name, self.step)
         self.best_val_loss, self.resumed_from = ckpt["best_val_loss"], ckpt["path"]
         if ckpt["scaler"] or not self.scaler.is_enabled():  # a disabled scaler ignores a saved one
             self.scaler.load_state_dict(ckpt["scaler"])
@@ -159,18 +183,37 @@ class Run:
 
     def save(self, best: bool):
         if not parallel.all_finite(self.raw_model, self.world):  # the same answer on every rank
-            raise Diverged(f"the weights hold NaN or inf at step {self.step}", self.cfg.learning_rate,
-                           self.saved_step)
-        state, failure = self.state_dict(), None
-        if self.world.is_master:
-            try:
-                checkpoint.save(state, Path(self.cfg.out_dir), best)
-            except (OSError, RuntimeError) as e:  # a full disk surfaces as either
-                failure = first_line(e)
+            raise Diverged(f"the weights hold NaN or inf at step {self.step}", self.cfg.learning_rate, self.saved)
+        self.wait_for_save()  # at most one background save in flight
+        out_dir, failure = Path(self.cfg.out_dir), None
+        try:
+            if self.cfg.checkpoint_format == "sharded":  # every rank writes its own part
+                tensors, param_groups = parallel.sharded_state(self.raw_model, self.optimizer)
+                tensors["rng"] = gather_rng_states(self.world)
+                state = dict(self.run_state(), param_groups=param_groups,
+                             rng_shapes={k: list(v.shape) for k, v in tensors["rng"].items()})
+                self.pending = checkpoint.save_sharded(tensors, state, out_dir, best, self.world,
+                                                       self.cfg.async_checkpoint, self.save_group)
+            else:
+                state = self.state_dict()
+                if self.world.is_master:
+                    checkpoint.save(state, out_dir, best)
+        except (OSError, RuntimeError) as e:  # a full disk surfaces as either
+            failure = first_line(e)
         # also the barrier that keeps the other ranks from running ahead of the write
         if any_rank(failure is not None, self.world):
-            raise CheckpointNotWritten(self.step, failure or "see rank 0's log", self.saved_step)
-        self.saved_step = self.step
+            raise CheckpointNotWritten(self.step, first_error(failure, self.world), self.saved)
+        if self.pending is None:
+            self.last_saved = (f"last{'.dcp' if self.cfg.checkpoint_format == 'sharded' else '.pt'}", self.step)
+
+    def wait_for_save(self):
+        """Every rank: wait for the background save in flight, if any; all stop if it failed."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            failure = pending.failure(wait=True)
+            if any_rank(failure is not None, self.world):
+                raise CheckpointNotWritten(pending.step, first_error(failure, self.world), self.last_saved)
+            self.last_saved = ("last.dcp", pending.step)
 
 
 def build_run(cfg: Config, world: World, meta: dict) -> Run:
@@ -217,6 +260,8 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
         weights = on_rank0(lambda: {"model": pretrained.load_state(cfg.init_from, raw_model)}, world, ("model",))
         parallel.load_full_state(raw_model, optimizer, world, weights["model"] or {})
     run.model = parallel.wrap(torch.compile(raw_model) if cfg.compile else raw_model, raw_model, world)
+    if cfg.async_checkpoint and world.size > 1:  # background saves talk on their own group
+        run.save_group = torch.distributed.new_group(backend="gloo")
     return run
 
 
@@ -228,7 +273,7 @@ AGREE_EVERY = 10  # steps between the ranks' agreements on rare events, when log
 def check_log(log: Logger, run: Run):
     """Rank 0 could not write its log files (a full disk): every rank stops, with one message."""
     if any_rank(log.failure is not None, run.world):
-        raise LogNotWritten(first_error(log.failure, run.world), run.saved_step)
+        raise LogNotWritten(first_error(log.failure, run.world), run.saved)
 
 
 def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
@@ -240,7 +285,7 @@ def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
     run.val_loss = losses["val"]
     if not math.isfinite(run.val_loss):
         raise Diverged(f"the validation loss is {run.val_loss} at step {run.step}", run.cfg.learning_rate,
-                       run.saved_step)
+                       run.saved)
     improved = run.val_loss < run.best_val_loss
     run.best_val_loss = min(run.best_val_loss, run.val_loss)
     log.log({"step": run.step, "train_eval_loss": losses["train"], "val_loss": run.val_loss,
@@ -264,14 +309,29 @@ def eval_hellaswag(run: Run, log: Logger):
     log.restart_clock(run.step)
 
 
+@contextmanager
+def finishing(run: Run):
+    """A run that fails lets its background save finish first (it may commit): a process that
+    ended with DCP's thread mid-write would leave its part unwritten."""
+    try:
+        yield
+    except BaseException:
+        if run.pending is not None:
+            run.pending.failure(wait=True)
+        raise
+
+
 def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[str]) -> dict:
     agree_or_raise(out_dir_error, world)  # rank 0 cannot use out_dir (busy, unwritable): every rank stops
+    if cfg.checkpoint_format == "sharded":
+        checkpoint.check_shared(Path(cfg.out_dir), world, "to write sharded checkpoints")
     meta = dataset.ready(world)
     run = build_run(cfg, world, meta)
     log = Logger.start(run, meta)
     check_log(log, run)
     start_step, stopped = run.step, 0  # stopped: the signal that stopped the run
-    with StopSignal() as stop, collective_failures_explained(world, cfg.dist_timeout, lambda: f"step {run.step}"):
+    with StopSignal() as stop, collective_failures_explained(world, cfg.dist_timeout, lambda: f"step {run.step}"), \
+            finishing(run):
         while True:
             lr = get_lr(run.step, cfg)
             for group in run.optimizer.param_groups:
@@ -289,26 +349,32 @@ def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[s
 
             at_log = run.step % cfg.log_interval == 0 or run.step == cfg.max_iters
             if at_log or run.step % AGREE_EVERY == 0:  # a stop signal waits at most AGREE_EVERY steps
-                # one all-reduce: the loss over ranks, any rank's stop signal, bad token id or log failure
-                loss, signum, (bad_tokens, log_failure) = log_step(
-                    step_loss, stop.received, [run.loader.tokens.bad, log.failure], world)
+                # one all-reduce: the loss over ranks, any rank's stop signal, bad token id, log
+                # failure or failed background save
+                loss, signum, (bad_tokens, log_failure, save_failure) = log_step(
+                    step_loss, stop.received, [run.loader.tokens.bad, log.failure,
+                                               run.pending and run.pending.failure(wait=False)], world)
                 if bad_tokens:
                     raise ConfigError(bad_tokens)
                 if log_failure:
-                    raise LogNotWritten(log_failure, run.saved_step)
+                    raise LogNotWritten(log_failure, run.saved)
+                if save_failure:
+                    raise CheckpointNotWritten(run.pending.step, save_failure, run.last_saved)
                 if not math.isfinite(loss):
                     raise Diverged(f"the training loss is {loss} at step {run.step}", cfg.learning_rate,
-                                   run.saved_step)
+                                   run.saved)
                 if at_log:
                     log.train_step(run.step, loss, lr, None if grad_norm is None else grad_norm.item(),
                                    cfg.batch_size * world.accum)
                 if signum and run.step < cfg.max_iters:  # the last step still evaluates and saves
                     run.save(best=False)
+                    run.wait_for_save()
                     stopped = signum
-                    log.say(f"stopped by {signal.Signals(stopped).name} at step {run.step}; {cfg.out_dir}/last.pt "
-                            f"holds it: relaunch with resume=auto to continue")
+                    log.say(f"stopped by {signal.Signals(stopped).name} at step {run.step}; {cfg.out_dir}/"
+                            f"{run.saved[0]} holds it: relaunch with resume=auto to continue")
                     break
             log.advance(run.step)
+        run.wait_for_save()
     check_log(log, run)  # the last lines were written after the last log step's check
     log.close()
     return {"step": run.step, "val_loss": run.val_loss, "best_val_loss": run.best_val_loss, "stopped": stopped}

