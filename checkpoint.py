@@ -54,10 +54,21 @@ def link_or_copy(src: Path, dst: Path):
 
 
 def tensor_bytes(obj) -> int:
+    """Bytes of the tensors in `obj` (this rank's shards of DTensors)."""
     if isinstance(obj, torch.Tensor):
+        obj = obj.to_local() if hasattr(obj, "to_local") else obj
         return obj.numel() * obj.element_size()
     values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
     return sum(tensor_bytes(v) for v in values)
+
+
+def _disk_full(e: BaseException, out_dir: Path, need: int):
+    """torch's zip writer reports a write cut short as "unexpected pos": the message, when the
+    disk is full, that says so (else None)."""
+    free = shutil.disk_usage(out_dir).free
+    if "unexpected pos" in str(e) and free < need:
+        return f"No space left on device: a checkpoint takes about {need / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free"
+    return None
 
 
 def save(state: dict, out_dir: Path, best: bool):
@@ -71,12 +82,11 @@ def save(state: dict, out_dir: Path, best: bool):
         link_or_copy(last, out_dir / "previous.pt")
     try:
         atomic_write(last, lambda f: torch.save(state, f))
-    except RuntimeError:  # torch's zip writer reports a write cut short as "unexpected pos"
-        need, free = tensor_bytes(state), shutil.disk_usage(out_dir).free
-        if free < need:
-            raise OSError(errno.ENOSPC, f"No space left on device: a checkpoint takes about "
-                                        f"{need / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free") from None
-        raise
+    except RuntimeError as e:
+        full = _disk_full(e, out_dir, tensor_bytes(state))
+        if full is None:
+            raise
+        raise OSError(errno.ENOSPC, full) from None
     if best:
         link_or_copy(last, out_dir / "best.pt")
 
@@ -127,17 +137,18 @@ def locked_out_dir(out_dir, world):
 def newest(paths: list) -> list:
     """The checkpoints among `paths` that exist, the most recently written first (not the
     highest step: a fresh run into a used out_dir makes the old run's last its previous).
-    An unreadable one is reported and put last, so a readable one is preferred to it."""
-    found = []
+    An unreadable one is put last, so a readable one is preferred to it, saying so."""
+    found, damaged = [], []
     for i, path in enumerate(p for p in paths if p.exists()):
         try:
             read(path, tensors=False)
-            written = (path / ".metadata" if path.is_dir() else path).stat().st_mtime_ns
+            found.append((-(path / ".metadata" if path.is_dir() else path).stat().st_mtime_ns, i, path))
         except (UnreadableCheckpoint, OSError) as e:
-            print(f"warning: {e}", file=sys.stderr, flush=True)
-            written = -1
-        found.append((-written, i, path))
-    return [path for *_, path in sorted(found)]
+            damaged.append((e, path))
+    found = [path for *_, path in sorted(found)]
+    for e, _ in damaged if found else ():
+        print(f"warning: {e}\ntrying {found[0]} instead", file=sys.stderr, flush=True)
+    return found + [path for _, path in damaged]
 
 
 def find(cfg: Config) -> list:
@@ -268,8 +279,15 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
 # the sharded format: a torch.distributed.checkpoint folder, written by every rank
 
 TMP = ".last.dcp.tmp"  # a save in progress; remove_stale_temporaries deletes one a kill left
-# DCP in one process (no_dist=True, as asked) still warns that it assumes one process
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+@contextmanager
+def _dcp():
+    """DCP's module; in one process (no_dist=True, as asked) it still warns that it assumes one."""
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield dcp
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -301,13 +319,13 @@ def _reader(path: Path):
     return SafeReader(path)
 
 
-def _reason(e: BaseException) -> str:
-    """One line for a failed DCP save or load: the lowest failing rank's own exception."""
+def _reason(e: BaseException, out_dir: Path = None, need: int = 0) -> str:
+    """One line for a failed DCP save (in out_dir, `need` bytes a rank) or load: the lowest
+    failing rank's own exception."""
     failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, trace)}
-    if failures:
-        rank, (exc, _) = min(failures.items(), key=lambda item: item[0])
-        return f"rank {rank}: {type(exc).__name__}: {first_line(exc)}"
-    return f"{type(e).__name__}: {first_line(e)}"
+    rank, exc = min(failures.items(), key=lambda item: item[0]) if failures else (None, (e, None))
+    text = (out_dir and _disk_full(exc[0], out_dir, need)) or f"{type(exc[0]).__name__}: {first_line(exc[0])}"
+    return text if rank is None else f"rank {rank}: {text}"
 
 
 def _sharded_parts(path: Path):
@@ -338,11 +356,13 @@ def _sharded_parts(path: Path):
 def load_sharded(path: Path, state: dict, world=None):
     """Fill `state` (tensors, or DTensors holding this rank's shards) from a sharded checkpoint,
     resharded by DCP; every rank of `world` calls it (world=None: this process alone)."""
-    import torch.distributed.checkpoint as dcp
     alone = world is None or world.size == 1
     try:
-        dcp.load(state, storage_reader=_reader(path), process_group=None if alone else world.group, no_dist=alone)
-    except (Exception, dcp.api.CheckpointException) as e:
+        with _dcp() as dcp:
+            dcp.load(state, storage_reader=_reader(path), process_group=None if alone else world.group, no_dist=alone)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException; Ctrl-C goes on
+        if not isinstance(e, Exception) and not hasattr(e, "failures"):
+            raise
         raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {_reason(e)}") from None
 
 
@@ -408,7 +428,7 @@ def _commit(out_dir: Path, best: bool):
 class Background:
     """A sharded save that DCP's thread is writing; rank 0 commits it as soon as it completes."""
 
-    def __init__(self, future, out_dir: Path, best: bool, commit: bool, step: int):
+    def __init__(self, future, out_dir: Path, best: bool, commit: bool, step: int, need: int):
         self.step, self.error, self.finished = step, None, threading.Event()
 
         def done(f):
@@ -417,7 +437,7 @@ class Background:
                 if commit:
                     _commit(out_dir, best)
             except BaseException as e:
-                self.error = _reason(e)
+                self.error = _reason(e, out_dir, need)
             self.finished.set()
         future.add_done_callback(done)
 
@@ -434,7 +454,6 @@ def save_sharded(tensors: dict, run_state: dict, out_dir: Path, best: bool, worl
     copies the tensors now and writes them from a thread, over `group` (a gloo group of its own);
     returns a Background, which commits when the write completes. Raises OSError on every rank
     when any rank failed."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     tmp, failure = out_dir / TMP, None
     if world.is_master:
@@ -447,14 +466,15 @@ def save_sharded(tensors: dict, run_state: dict, out_dir: Path, best: bool, worl
     if any_rank(failure is not None, world):
         raise OSError(first_error(failure, world))
     alone = world.size == 1
-    if background:
-        future = dcp.async_save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=alone,
-                                process_group=None if alone else group)
-        return Background(future, out_dir, best, world.is_master, run_state["step"])
-    try:
-        dcp.save(tensors, storage_writer=FileSystemWriter(tmp), process_group=world.group, no_dist=alone)
-    except dcp.api.CheckpointException as e:
-        raise OSError(_reason(e)) from None
+    with _dcp() as dcp:
+        if background:
+            future = dcp.async_save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=alone,
+                                    process_group=None if alone else group)
+            return Background(future, out_dir, best, world.is_master, run_state["step"], tensor_bytes(tensors))
+        try:
+            dcp.save(tensors, storage_writer=FileSystemWriter(tmp), process_group=world.group, no_dist=alone)
+        except dcp.api.CheckpointException as e:
+            raise OSError(_reason(e, out_dir, tensor_bytes(tensors))) from None
     if world.is_master:
         _commit(out_dir, best)
 

@@ -169,7 +169,9 @@ def load_sharded_state(raw_model, optimizer, tensors: dict, param_groups: list):
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
     model_sd = {**tensors["model"], "lm_head.weight": tensors["model"]["transformer.wte.weight"]}
     set_model_state_dict(raw_model, model_sd)
-    set_optimizer_state_dict(raw_model, optimizer, {"state": tensors["optimizer"], "param_groups": param_groups})
+    groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
+              for g in param_groups]  # JSON made the betas a list
+    set_optimizer_state_dict(raw_model, optimizer, {"state": tensors["optimizer"], "param_groups": groups})
 
 
 def memory_problem(model_cfg, cfg, world: World, strategy: str):

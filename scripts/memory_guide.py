@@ -13,6 +13,12 @@ Activations are an estimate per sequence of 1024 tokens in bf16 (Korthikanti et 
 bytes per layer with a fused attention kernel, plus the logits in bf16 and float32 for the loss);
 activation checkpointing keeps only each block's input (2·T·C bytes per layer) and one block's
 activations at a time.
+
+Checkpoints need host (CPU) memory on top, at each save: a checkpoint holds 12 bytes per
+parameter (the weights and both moments). checkpoint_format="file" gathers all of it into global
+rank 0's CPU memory, so that one process needs 12 bytes per parameter however many share the
+training; "sharded" has each rank write its own 12/W, and async_checkpoint stages a copy of it
+first (another 12/W per rank for as long as the background write runs).
 """
 
 import argparse
@@ -52,6 +58,15 @@ def n_params(n_layer, n_head, n_embd) -> tuple:
             sum(p.numel() for p in model.transformer.h[0].parameters()))
 
 
+def checkpoint_bytes(n_params: int, checkpoint_format: str, world_size: int, is_rank0: bool = True) -> int:
+    """Host memory one rank needs for a save beyond its training state: file gathers the whole
+    checkpoint (12 bytes per parameter) into rank 0; sharded copies nothing to a single rank
+    (DCP writes each rank's shards from where they are); async stages this rank's shards once."""
+    if checkpoint_format == "file":
+        return 12 * n_params if is_rank0 else 0
+    return 12 * n_params // world_size if checkpoint_format == "sharded+async" else 0
+
+
 def activations(n_layer, n_embd, checkpointing: bool) -> float:
     """Bytes of activations per 1024-token sequence (an estimate)."""
     logits = T * V * (2 + 4)
@@ -71,6 +86,12 @@ def table(worlds: list, batch: int) -> str:
         fsdp = " | ".join(f"{state_bytes_per_rank(total, block, 'fsdp', w) / GB:.2f} GB" for w in worlds if w > 1)
         lines.append(f"| {name} | {total / 1e6:.0f}M | {ddp / GB:.2f} GB | {fsdp} | "
                      f"{activations(layers, width, False) / GB:.2f} GB | {activations(layers, width, True) / GB:.2f} GB |")
+    lines += ["", f"Host memory for a save (W={max(worlds)}), on top of training: file on rank 0 | "
+                  f"sharded, any rank | sharded + async, any rank", ""]
+    for name, (layers, heads, width) in SIZES.items():
+        total, _ = n_params(layers, heads, width)
+        lines.append(f"- {name}: " + " | ".join(f"{checkpoint_bytes(total, f, max(worlds)) / GB:.2f} GB"
+                                                for f in ("file", "sharded", "sharded+async")))
     return "\n".join(lines) + (f"\n\nPer GPU: model state + batch_size x activations (batch_size={batch}: "
                                f"multiply the last columns by {batch}).")
 

@@ -186,7 +186,9 @@ def train_log(out) -> list:
 
 
 def ckpt(out_dir, name: str = "last.pt") -> dict:
-    return torch.load(Path(out_dir) / name, weights_only=True)
+    """A checkpoint as the file format's dict (a .dcp folder read whole through DCP)."""
+    import checkpoint
+    return checkpoint.read(Path(out_dir) / name)
 
 
 def assert_same_weights(a: dict, b: dict):

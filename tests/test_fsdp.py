@@ -77,30 +77,35 @@ def test_fsdp_on_2_processes_ends_with_ddps_weights_and_moments(fsdp_whole, ddp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, extra", [(4, {"batch_size": 2}), (4, {"batch_size": 2, "fsdp_shard_size": 2}),
+@pytest.mark.parametrize("nproc, extra", [(4, {"batch_size": 2}),
+                                          (4, {"batch_size": 2, "fsdp_shard_size": 2, "checkpoint_format": "sharded"}),
                                           (2, {"fsdp_reshard": False, "activation_checkpointing": True, "compile": True})])
 def test_fsdp_weights_equal_ddp_on_the_same_global_batch(char_data, tmp_path, ddp_reference, nproc, extra):
     run(torchrun(args_for(char_data, tmp_path, strategy="fsdp", **extra), nproc))
-    assert_like_ddp(ckpt(tmp_path), ddp_reference, nproc)
+    name = "last.dcp" if extra.get("checkpoint_format") == "sharded" else "last.pt"  # HSDP's shards and replicas
+    assert_like_ddp(ckpt(tmp_path, name), ddp_reference, nproc)
 
 
 @pytest.mark.slow
-def test_fsdp_resume_is_exact_and_crosses_strategies_and_world_sizes(char_data, tmp_path, ddp_reference,
-                                                                     fsdp_whole):
-    half = dict(max_iters=STEPS // 2)
-    # fsdp -> fsdp, same world: bit for bit against an uninterrupted fsdp run
-    run(torchrun(args_for(char_data, tmp_path / "ff", strategy="fsdp", **half)))
-    run(torchrun(args_for(char_data, tmp_path / "ff", strategy="fsdp", resume="auto")))
-    assert max_diff(ckpt(tmp_path / "ff"), ckpt(fsdp_whole)) == 0
-    # fsdp (W=2) -> ddp (one process), and ddp (one process) -> fsdp (W=2): the next global batch
-    run(torchrun(args_for(char_data, tmp_path / "fd", strategy="fsdp", **half)))
-    run(train_py(args_for(char_data, tmp_path / "fd", resume="auto")))
-    run(train_py(args_for(char_data, tmp_path / "df", **half)))
-    out = run(torchrun(args_for(char_data, tmp_path / "df", strategy="fsdp", resume="auto"))).stdout
+def test_fsdp_resume_is_exact_and_crosses_strategies_world_sizes_and_formats(char_data, tmp_path, ddp_reference,
+                                                                             fsdp_whole):
+    sharded = dict(strategy="fsdp", checkpoint_format="sharded", resume="auto")
+    # sharded fsdp -> fsdp, same world: bit for bit against an uninterrupted (file-format) fsdp run
+    run(torchrun(args_for(char_data, tmp_path / "ff", **sharded, max_iters=STEPS // 2)))
+    run(torchrun(args_for(char_data, tmp_path / "ff", **sharded)))
+    assert max_diff(ckpt(tmp_path / "ff", "last.dcp"), ckpt(fsdp_whole)) == 0
+    # resharded on every load: fsdp W=4 (sharded, async) -> fsdp W=2 (sharded) -> ddp, one process (file)
+    chain = tmp_path / "chain"
+    run(torchrun(args_for(char_data, chain, **sharded, async_checkpoint=True, batch_size=2, max_iters=2), 4))
+    run(torchrun(args_for(char_data, chain, **sharded, max_iters=4)))
+    out = run(train_py(args_for(char_data, chain, resume="auto"))).stdout
+    assert f"resuming from {chain / 'last.dcp'} at step 4" in out
+    # ddp (one process, file) -> fsdp W=2 (sharded): the next global batch
+    run(train_py(args_for(char_data, tmp_path / "df", max_iters=STEPS // 2)))
+    out = run(torchrun(args_for(char_data, tmp_path / "df", **sharded))).stdout
     assert f"resuming from {tmp_path / 'df' / 'last.pt'} at step 3" in out
-    for name in ("fd", "df"):
-        checkpoint = ckpt(tmp_path / name)
-        assert checkpoint["step"] == STEPS and max_diff(checkpoint, ddp_reference) < TOL, name
+    for result in (ckpt(chain), ckpt(tmp_path / "df", "last.dcp")):
+        assert result["step"] == STEPS and max_diff(result, ddp_reference) < TOL
 
 
 @pytest.mark.slow
@@ -161,3 +166,37 @@ def test_activation_checkpointing_recomputes_each_block(monkeypatch):
         parallel.set_activation_checkpointing(model, enabled)
         model(x, x)[1].backward()
         assert len(calls) == forwards
+
+
+def _rank_1_on_a_host_without_the_shared_disk(rank, world_size, args, out_dir):
+    """run_ranks: rank 1 gets a mount namespace of its own with an empty tmpfs where rank 0's
+    out_dir lives (another host with a local disk at the same path); each rank's error goes to
+    out_dir/../error.RANK."""
+    import ctypes
+    import subprocess
+    from config import resolve
+    from errors import ConfigError
+    out_dir = Path(out_dir)
+    if rank == 1:
+        assert ctypes.CDLL(None, use_errno=True).unshare(0x00020000) == 0  # CLONE_NEWNS
+        subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(out_dir.parent)], check=True)
+    try:
+        train.main(resolve(args))
+    except ConfigError as e:
+        (out_dir.parent.parent / f"error.{rank}").write_text(str(e))
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_need_storage_every_rank_sees(char_data, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("a mount namespace needs root")
+    from harness import run_ranks
+    out = tmp_path / "disk" / "out"
+    out.parent.mkdir()
+    run_ranks(_rank_1_on_a_host_without_the_shared_disk, 2,
+              args_for(char_data, out, strategy="fsdp", checkpoint_format="sharded"), str(out))
+    errors = [(tmp_path / f"error.{r}").read_text() for r in (0, 1)]
+    assert errors[0] == errors[1] and errors[0].startswith(f"rank 1 on ") and "does not see rank 0's" in errors[0]
+    assert "needs storage every rank sees" in errors[0] and "--checkpoint_format=file" in errors[0]
+    assert not (out / "last.dcp").exists()

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
+
 import sample
 import train
 from config import resolve
@@ -59,8 +61,8 @@ def small_disk(folder: Path, size: str):
         subprocess.run(["umount", str(folder)], check=True)
 
 
-def fill(disk: Path) -> Path:
-    """Take every free byte of `disk`; the file, to delete to free them again."""
+def fill(disk: Path, leave: int = 0) -> Path:
+    """Take every free byte of `disk` but `leave`; the file, to delete to free them again."""
     filler = disk / "filler"
     try:
         with open(filler, "wb", buffering=0) as f:
@@ -68,6 +70,7 @@ def fill(disk: Path) -> Path:
                 f.write(b"\0" * 4096)
     except OSError:
         pass
+    os.truncate(filler, max(0, filler.stat().st_size - leave))
     return filler
 
 
@@ -113,6 +116,14 @@ def test_a_full_disk_ends_the_run_with_no_space_left_and_earlier_checkpoints_usa
         filler.unlink()
         assert train_cli(capsys, char_data, out, max_iters=10, eval_interval=5)[0] == 0
         assert torch.load(out / "last.pt", weights_only=True)["step"] == 10
+    with small_disk(tmp_path / "async", "2m") as disk:  # a background save fails
+        out, sharded = disk / "out", dict(checkpoint_format="sharded", async_checkpoint=True)
+        assert train_cli(capsys, char_data, out, max_iters=5, eval_interval=5, **sharded)[0] == 0
+        fill(disk, leave=64 * 1024)  # room for run.json and the log, not for the shards
+        code, _, err = train_cli(capsys, char_data, out, max_iters=10, eval_interval=5, **sharded)
+        message = one_error(err)
+        assert code == 1 and "No space left on device" in message and "last.dcp holds step 5" in message, err
+        assert checkpoint.read(out / "last.dcp")["step"] == 5
 
 
 @pytest.mark.slow
@@ -229,12 +240,18 @@ def test_every_entry_point_meets_bad_input_with_one_line(entry, kind, char_data,
 def test_ctrl_c_ends_a_tool_with_one_line(a_run):
     """A tool (here sample.py mid-generation) ends with one line and status 130. (train.py stops at
     the next log step with a checkpoint instead: tests/test_faults.py, test_recovery.py.)"""
+    # Ctrl-C's default action even when this suite runs in the background (`cmd &` in a script
+    # starts it with SIGINT ignored, and Python then installs no KeyboardInterrupt handler)
     proc = subprocess.Popen([sys.executable, "sample.py", f"--out_dir={a_run}", "--max_new_tokens=100000",
                              "--num_samples=64"], cwd=REPO, env=child_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    for line in proc.stderr:  # its header: the generation starts now
-        if line.startswith("# "):
-            break
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in proc.stderr:  # its header: the generation starts now
+            if line.startswith("# "):
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
     assert proc.returncode == 128 + signal.SIGINT and one_error(err) == "error: interrupted (Ctrl-C)", err

@@ -1,0 +1,146 @@
+"""checkpoint_format = "sharded": torch.distributed.checkpoint folders (last.dcp), in one process.
+
+Exactness across formats, the converter, the readers, and every way a .dcp folder can be bad.
+The same on several processes, resharded across world sizes and strategies: tests/test_fsdp.py;
+a rank that does not see the folder: tests/test_fsdp.py; a full disk under async saves:
+tests/test_reliability.py."""
+
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+from harness import ckpt, no_temporaries, tiny_args, train_here
+
+SAME = dict(max_iters=12, eval_interval=4, lr_decay_iters=12)  # one schedule for every leg
+
+
+@pytest.fixture(scope="module")
+def straight(char_data, tmp_path_factory):
+    """An uninterrupted file-format run: last.pt at 12, previous.pt at 8."""
+    out = tmp_path_factory.mktemp("straight")
+    train_here(char_data, out, **SAME)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded(char_data, tmp_path_factory):
+    """A sharded run: last.dcp at 12, previous.dcp at 8, best.dcp. Copy it before damaging it."""
+    out = tmp_path_factory.mktemp("sharded")
+    train_here(char_data, out, checkpoint_format="sharded", **SAME)
+    return out
+
+
+def same_state(a: dict, b: dict, path=""):
+    """Two checkpoints alike in every tensor (bit for bit, dtype included) and value, the config
+    names that differ between the legs of a run aside."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert sorted(a, key=str) == sorted(b, key=str), path
+        for k in a:
+            if k not in ("out_dir", "checkpoint_format", "async_checkpoint", "resume", "max_iters"):
+                same_state(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            same_state(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+def test_formats_alternate_through_resumes_and_end_bit_identical(char_data, tmp_path, straight, sharded, script):
+    """file 0->4, sharded + async 4->8, file 8->12 (resume=auto reading the newest, last.dcp),
+    each bit for bit on the uninterrupted run; a sharded run holds the file run's very state;
+    the converter writes the file the file format would have written."""
+    out = tmp_path / "mixed"
+    train_here(char_data, out, **{**SAME, "max_iters": 4})
+    train_here(char_data, out, resume="auto", checkpoint_format="sharded", async_checkpoint=True,
+               **{**SAME, "max_iters": 8})
+    assert ckpt(out, "last.dcp")["step"] == 8 and ckpt(out, "last.pt")["step"] == 4
+    ran = script("train.py", *tiny_args(char_data, out, resume="auto", **SAME))
+    assert ran.returncode == 0 and f"resuming from {out / 'last.dcp'} at step 8" in ran.stdout, ran.stderr
+    same_state(ckpt(out), ckpt(straight))
+    same_state(ckpt(sharded, "last.dcp"), ckpt(straight))
+    assert ckpt(sharded, "previous.dcp")["step"] == 8 and ckpt(sharded, "best.dcp")["step"] == 12
+    assert sorted(p.name for p in (sharded / "last.dcp").iterdir()) == [".metadata", "__0_0.distcp", "run.json"]
+    assert no_temporaries(sharded) and no_temporaries(out)
+    ran = script("scripts/convert_checkpoint.py", out / "last.dcp", tmp_path / "eight.pt")
+    assert ran.returncode == 0 and "step 8" in ran.stdout, ran.stderr
+    same_state(torch.load(tmp_path / "eight.pt", weights_only=True), ckpt(straight, "previous.pt"))
+
+
+def test_sample_and_export_read_a_sharded_run(sharded, tmp_path, script):
+    ran = script("sample.py", f"--out_dir={sharded}", "--num_samples=1", "--max_new_tokens=10", "--device=cpu")
+    assert ran.returncode == 0 and len(ran.stdout.strip()) >= 10, ran.stderr
+    ran = script("scripts/export_hf.py", f"--out_dir={sharded}", "--checkpoint=last", f"--to={tmp_path / 'hf'}")
+    assert ran.returncode == 0 and "last.dcp (step 12)" in ran.stdout, ran.stderr
+
+
+class Exploit:
+    def __reduce__(self):
+        return (Path.touch, (Path("/tmp/sharded-exploit-ran"),))
+
+
+def damage(kind: str, last: Path):
+    if kind == "no metadata":  # a save killed before rank 0 finished it
+        (last / ".metadata").unlink()
+    elif kind == "a rank's part missing":
+        (last / "__0_0.distcp").unlink()
+    elif kind == "a part cut short":
+        with open(last / "__0_0.distcp", "r+b") as f:
+            f.truncate(1000)
+    elif kind == "metadata that runs code":
+        (last / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    elif kind == "metadata garbage":
+        (last / ".metadata").write_bytes(b"not a pickle")
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("no metadata", ".metadata is missing; the save that wrote it did not finish"),
+    ("a rank's part missing", "__0_0.distcp (one rank's part) is missing"),
+    ("a part cut short", "__0_0.distcp is cut short"),
+    ("metadata that runs code", "it names pathlib.Path.touch"),
+    ("metadata garbage", "its metadata is damaged"),
+])
+def test_a_bad_sharded_checkpoint_is_one_line_and_auto_falls_back_to_previous(
+        char_data, sharded, tmp_path, script, kind, message):
+    out = Path(shutil.copytree(sharded, tmp_path / "out"))
+    damage(kind, out / "last.dcp")
+    files = {p: p.read_bytes() for p in (out / "last.dcp").iterdir()}
+    ran = script("train.py", *tiny_args(char_data, out, resume=str(out / "last.dcp"), **SAME))
+    error = ran.stderr.strip().splitlines()[-1]
+    assert ran.returncode == 2 and error.startswith(f"error: cannot read checkpoint {out / 'last.dcp'}: "), ran.stderr
+    assert message in error and "Traceback" not in ran.stderr
+    assert {p: p.read_bytes() for p in (out / "last.dcp").iterdir()} == files  # nothing overwritten
+    ran = script("train.py", *tiny_args(char_data, out, resume="auto", checkpoint_format="sharded",
+                                        **{**SAME, "max_iters": 16}))
+    assert ran.returncode == 0 and message in ran.stderr and f"resuming from {out / 'previous.dcp'} at step 8" in ran.stdout
+    assert ckpt(out, "last.dcp")["step"] == 16
+    assert not Path("/tmp/sharded-exploit-ran").exists()
+
+
+def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(char_data, sharded, tmp_path, script):
+    """Killed while writing: .last.dcp.tmp is left and last.dcp untouched; killed between the
+    commit's renames: no last.dcp, but previous.dcp, which resume=auto takes."""
+    out = Path(shutil.copytree(sharded, tmp_path / "out"))
+    shutil.copytree(out / "last.dcp", out / checkpoint.TMP)
+    (out / checkpoint.TMP / ".metadata").unlink()
+    (out / "last.dcp").rename(tmp_path / "moved")  # as if killed after last -> previous
+    shutil.rmtree(out / "previous.dcp")
+    (tmp_path / "moved").rename(out / "previous.dcp")
+    ran = script("train.py", *tiny_args(char_data, out, resume="auto", checkpoint_format="sharded",
+                                        **{**SAME, "max_iters": 16}))
+    assert ran.returncode == 0, ran.stderr
+    assert f"removed {out / checkpoint.TMP}" in ran.stdout
+    assert f"resuming from {out / 'previous.dcp'} at step 12" in ran.stdout
+    assert ckpt(out, "last.dcp")["step"] == 16 and ckpt(out, "previous.dcp")["step"] == 12
+
+
+def test_a_sharded_checkpoint_of_another_shape_is_refused(char_data, sharded, tmp_path, script):
+    out = Path(shutil.copytree(sharded, tmp_path / "out"))
+    ran = script("train.py", *tiny_args(char_data, out, resume="auto", n_embd=64, **SAME))
+    assert ran.returncode == 2 and "holds another model shape" in ran.stderr.splitlines()[-1], ran.stderr
