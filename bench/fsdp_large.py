@@ -114,10 +114,16 @@ def launch(args: list, record: Path, log: Path, kill_after: str = None) -> int:
                 while proc.poll() is None and not any(x["phase"] == done and x["step"] == 2
                                                       for x in records(record, ranks=1)[0]):
                     time.sleep(0.5)  # the background write of step 2 is still going
-                os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank, at once
+                for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun and every rank (own sessions)
+                    os.kill(pid, signal.SIGKILL)
                 break
         proc.stdout.close()
         return proc.wait()
+
+
+def descendants(pid: int) -> list:
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(c) for c in children] + [d for c in children for d in descendants(int(c))]
 
 
 def records(record: Path, ranks: int = NPROC) -> list:
