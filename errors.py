@@ -124,6 +124,10 @@ class LogNotWritten(RunError):
             f"resume=auto (a line cut short is dropped).")
 
 
+class UnreadableCheckpoint(ConfigError):
+    """The file or folder is not a checkpoint that can be read as plain data."""
+
+
 class HellaSwagMissing(ConfigError):
     def __init__(self, cache, url: str, e: Exception):
         super().__init__(

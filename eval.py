@@ -31,9 +31,7 @@ from world import autocast, collective_failures_explained, place, process_group
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out_dir", default="out", help="folder with best.pt / last.pt and meta.json")
-    p.add_argument("--init_from", default="", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a Hugging "
-                                                   "Face GPT-2 folder, instead of a checkpoint in --out_dir")
+    checkpoint.add_source_args(p)
     p.add_argument("--hellaswag", default="", help="a local hellaswag_val.jsonl (default: the cached copy)")
     p.add_argument("--limit", type=int, default=0, help="evaluate the first N examples only (0 = all)")
     p.add_argument("--dataset", default="", help="also the loss on this dataset's val split")

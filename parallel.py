@@ -124,11 +124,15 @@ def full_state(raw_model, optimizer) -> tuple:
     if not model_sd:
         return {}, {}
     model_sd["lm_head.weight"] = model_sd["transformer.wte.weight"]  # tied, as state_dict() has it
-    # Names -> positions, the layout of torch.optim's state_dict() that a ddp run writes.
-    position = {name: i for i, name in enumerate(_fqns(raw_model, optimizer))}
-    groups = [{**g, "params": [position[n] for n in g["params"]]} for g in optim_sd["param_groups"]]
-    state = {position[n]: s for n, s in optim_sd["state"].items()}
-    return model_sd, {"state": state, "param_groups": groups}
+    return model_sd, by_position(optim_sd)
+
+
+def by_position(optim_sd: dict) -> dict:
+    """An optimizer state dict keyed by parameter name, in the layout of torch.optim's own
+    state_dict() (the one a ddp run writes): parameters numbered in param_groups' order."""
+    position = {name: i for i, name in enumerate(n for g in optim_sd["param_groups"] for n in g["params"])}
+    return {"state": {position[n]: s for n, s in optim_sd["state"].items()},
+            "param_groups": [{**g, "params": [position[n] for n in g["params"]]} for g in optim_sd["param_groups"]]}
 
 
 def load_full_state(raw_model, optimizer, world: World, model_sd: dict, optim_sd: dict = None):
@@ -169,9 +173,7 @@ def load_sharded_state(raw_model, optimizer, tensors: dict, param_groups: list):
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
     model_sd = {**tensors["model"], "lm_head.weight": tensors["model"]["transformer.wte.weight"]}
     set_model_state_dict(raw_model, model_sd)
-    groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
-              for g in param_groups]  # JSON made the betas a list
-    set_optimizer_state_dict(raw_model, optimizer, {"state": tensors["optimizer"], "param_groups": groups})
+    set_optimizer_state_dict(raw_model, optimizer, {"state": tensors["optimizer"], "param_groups": param_groups})
 
 
 def memory_problem(model_cfg, cfg, world: World, strategy: str):

@@ -35,9 +35,7 @@ CHUNK_BYTES = 2**31  # fixed, not the free memory: the same seed gives the same 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out_dir", default="out", help="folder with best.pt / last.pt and meta.json")
-    p.add_argument("--init_from", default="", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a Hugging "
-                                                   "Face GPT-2 folder, instead of a checkpoint in --out_dir")
+    checkpoint.add_source_args(p)
     p.add_argument("--start", default="\n", help='prompt text, or FILE:path to read it from a file')
     p.add_argument("--num_samples", type=int, default=3)
     p.add_argument("--max_new_tokens", type=int, default=500)

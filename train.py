@@ -34,6 +34,7 @@ import torch
 import checkpoint
 import parallel
 import pretrained
+import sharded
 from collectives import agree_or_raise, any_rank, first_error, gather_rng_states, log_step, on_rank0, restore_rng_states
 from config import Config, resolve
 from data.dataset import split_shards
@@ -118,20 +119,14 @@ class Run:
     best_val_loss: float = math.inf
     val_loss: Optional[float] = None
     resumed_from: Optional[str] = None
-    last_saved: Optional[tuple] = None  # (file name, step) of the newest checkpoint written, for messages
-    pending: Optional[checkpoint.Background] = None  # async_checkpoint: the save being written
+    saved: Optional[tuple] = None  # (file name, step) of the newest checkpoint known written, for messages
+    pending: Optional[sharded.Background] = None  # async_checkpoint: the save being written
     save_group: object = None  # async_checkpoint: the gloo group its background writes use
     hellaswag_step: int = -1  # the step HellaSwag was last evaluated at: a resume neither repeats nor skips one
 
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.global_batch_size * self.cfg.block_size
-
-    @property
-    def saved(self) -> Optional[tuple]:
-        if self.pending is not None and self.pending.finished.is_set() and self.pending.error is None:
-            return "last.dcp", self.pending.step
-        return self.last_saved
 
     def run_state(self) -> dict:
         """The plain values of a checkpoint, in either format."""
@@ -151,18 +146,12 @@ class Run:
         """Every rank calls it. File format: only rank 0's ckpt holds the tensors (the others'
         are None). Sharded: every rank reads its own part, resharded to this world by DCP."""
         if ckpt.get("sharded"):
-            path = Path(ckpt["path"])
-            checkpoint.check_shared(path, self.world, "to resume from it")
-            tensors, _ = parallel.sharded_state(self.raw_model, self.optimizer)  # this world's shards, to fill
-            tensors["rng"] = {k: torch.empty(shape, dtype=torch.uint8) for k, shape in ckpt["rng_shapes"].items()}
-            checkpoint.load_sharded(path, tensors, self.world)
-            parallel.load_sharded_state(self.raw_model, self.optimizer, tensors, ckpt["param_groups"])
-            ckpt = {**ckpt, "rng": tensors["rng"]}
+            ckpt = {**ckpt, "rng": sharded.load_run(Path(ckpt["path"]), self.raw_model, self.optimizer, ckpt, self.world)}
         else:
             parallel.load_full_state(self.raw_model, self.optimizer, self.world, ckpt["model"] or {},
                                      ckpt["optimizer"] or {})
         self.step = ckpt["step"]
-        self.last_saved = (Path(ckpt["path"]).name, self.step)
+        self.saved = (Path(ckpt["path"]).name, self.step)
         self.best_val_loss, self.resumed_from = ckpt["best_val_loss"], ckpt["path"]
         if ckpt["scaler"] or not self.scaler.is_enabled():  # a disabled scaler ignores a saved one
             self.scaler.load_state_dict(ckpt["scaler"])
@@ -188,12 +177,8 @@ class Run:
         out_dir, failure = Path(self.cfg.out_dir), None
         try:
             if self.cfg.checkpoint_format == "sharded":  # every rank writes its own part
-                tensors, param_groups = parallel.sharded_state(self.raw_model, self.optimizer)
-                tensors["rng"] = gather_rng_states(self.world)
-                state = dict(self.run_state(), param_groups=param_groups,
-                             rng_shapes={k: list(v.shape) for k, v in tensors["rng"].items()})
-                self.pending = checkpoint.save_sharded(tensors, state, out_dir, best, self.world,
-                                                       self.cfg.async_checkpoint, self.save_group)
+                self.pending = sharded.save_run(self.raw_model, self.optimizer, self.run_state(), out_dir, best,
+                                                self.world, self.cfg.async_checkpoint, self.save_group)
             else:
                 state = self.state_dict()
                 if self.world.is_master:
@@ -204,7 +189,7 @@ class Run:
         if any_rank(failure is not None, self.world):
             raise CheckpointNotWritten(self.step, first_error(failure, self.world), self.saved)
         if self.pending is None:
-            self.last_saved = (f"last{'.dcp' if self.cfg.checkpoint_format == 'sharded' else '.pt'}", self.step)
+            self.saved = (f"last{'.dcp' if self.cfg.checkpoint_format == 'sharded' else '.pt'}", self.step)
 
     def wait_for_save(self):
         """Every rank: wait for the background save in flight, if any; all stop if it failed."""
@@ -212,8 +197,8 @@ class Run:
             pending, self.pending = self.pending, None
             failure = pending.failure(wait=True)
             if any_rank(failure is not None, self.world):
-                raise CheckpointNotWritten(pending.step, first_error(failure, self.world), self.last_saved)
-            self.last_saved = ("last.dcp", pending.step)
+                raise CheckpointNotWritten(pending.step, first_error(failure, self.world), self.saved)
+            self.saved = ("last.dcp", pending.step)
 
 
 def build_run(cfg: Config, world: World, meta: dict) -> Run:
@@ -324,7 +309,7 @@ def finishing(run: Run):
 def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[str]) -> dict:
     agree_or_raise(out_dir_error, world)  # rank 0 cannot use out_dir (busy, unwritable): every rank stops
     if cfg.checkpoint_format == "sharded":
-        checkpoint.check_shared(Path(cfg.out_dir), world, "to write sharded checkpoints")
+        sharded.check_shared(Path(cfg.out_dir), world, "to write sharded checkpoints")
     meta = dataset.ready(world)
     run = build_run(cfg, world, meta)
     log = Logger.start(run, meta)
@@ -359,7 +344,7 @@ def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[s
                 if log_failure:
                     raise LogNotWritten(log_failure, run.saved)
                 if save_failure:
-                    raise CheckpointNotWritten(run.pending.step, save_failure, run.last_saved)
+                    raise CheckpointNotWritten(run.pending.step, save_failure, run.saved)
                 if not math.isfinite(loss):
                     raise Diverged(f"the training loss is {loss} at step {run.step}", cfg.learning_rate,
                                    run.saved)

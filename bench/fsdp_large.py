@@ -135,6 +135,7 @@ def compare(a: Path, b: Path) -> str:
     Read in groups (the weights, then each AdamW statistic) to keep two copies of one group in memory."""
     import torch
     import checkpoint
+    import sharded
 
     def load(path: Path, keys: list) -> dict:
         if path.suffix == ".pt":  # mapped: pages are read as they are compared
@@ -146,12 +147,12 @@ def compare(a: Path, b: Path) -> str:
                 flat.update({f"optimizer.{order[i]}.{s}": v for s, v in stats.items()})
             flat.update({f"rng.{k}": v for k, v in state["rng"].items()})
             return {k: flat[k] for k in keys}
-        metadata = checkpoint._sharded_parts(path)[1].state_dict_metadata
+        metadata = sharded.parts(path)[1].state_dict_metadata
         tensors = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in keys}
-        checkpoint.load_sharded(path, tensors)
+        sharded.load(path, tensors)
         return tensors
 
-    keys = list(checkpoint._sharded_parts(b)[1].state_dict_metadata)
+    keys = list(sharded.parts(b)[1].state_dict_metadata)
     for group in ("model.", ".exp_avg", ".exp_avg_sq", ".step", "rng."):
         chosen = [k for k in keys if (k.startswith(group) if group.endswith(".") else k.endswith(group))]
         left, right = load(a, chosen), load(b, chosen)
@@ -198,7 +199,7 @@ def measure(name: str, flags: list, folder: Path, data: list) -> dict:
 
 
 def main(argv=None):
-    from errors import ConfigError, reported  # noqa: F401
+    from errors import ConfigError
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--report", required=True, type=Path, help="folder for report.json, report.md and the runs")
     p.add_argument("--formats", default=",".join(FORMATS), help="which of " + ", ".join(FORMATS))

@@ -45,15 +45,52 @@ def atomic_write(path, write) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     os.replace(write_temp(path, write), path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    fsync_dir(path.parent)  # make the rename itself durable
+
+
+def fsync_dir(folder) -> None:
+    """Make the renames and creations in `folder` durable."""
+    fd = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)
 
 
 def atomic_write_bytes(path, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
+
+
+def link_or_copy(src: Path, dst: Path):
+    """Point `dst` at `src`'s bytes: a hard link costs no second write; else copy."""
+    if dst.exists() and os.path.samefile(src, dst):
+        return  # already one file; and rename() between two links of one file does nothing
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    try:
+        os.link(src, tmp)
+        os.replace(tmp, dst)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        with open(src, "rb") as source:  # streamed: a checkpoint can be gigabytes
+            atomic_write(dst, lambda f: shutil.copyfileobj(source, f))
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of the tensors in `obj`, a nest of dicts, lists and tensors (this rank's shards of DTensors)."""
+    if hasattr(obj, "element_size"):
+        obj = obj.to_local() if hasattr(obj, "to_local") else obj
+        return obj.numel() * obj.element_size()
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(tensor_bytes(v) for v in values)
+
+
+def disk_full(e: BaseException, folder: Path, need: int):
+    """torch's zip writer reports a write cut short as "unexpected pos": the message, when the
+    disk is full, that says so (else None)."""
+    free = shutil.disk_usage(folder).free
+    if "unexpected pos" in str(e) and free < need:
+        return f"No space left on device: a checkpoint takes about {need / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free"
+    return None
 
 
 def remove_stale_temporaries(folder: Path) -> list:

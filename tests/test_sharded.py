@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
+from sharded import TMP
 from harness import ckpt, no_temporaries, tiny_args, train_here
 
 SAME = dict(max_iters=12, eval_interval=4, lr_decay_iters=12)  # one schedule for every leg
@@ -127,15 +127,15 @@ def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(char_data, sha
     """Killed while writing: .last.dcp.tmp is left and last.dcp untouched; killed between the
     commit's renames: no last.dcp, but previous.dcp, which resume=auto takes."""
     out = Path(shutil.copytree(sharded, tmp_path / "out"))
-    shutil.copytree(out / "last.dcp", out / checkpoint.TMP)
-    (out / checkpoint.TMP / ".metadata").unlink()
+    shutil.copytree(out / "last.dcp", out / TMP)
+    (out / TMP / ".metadata").unlink()
     (out / "last.dcp").rename(tmp_path / "moved")  # as if killed after last -> previous
     shutil.rmtree(out / "previous.dcp")
     (tmp_path / "moved").rename(out / "previous.dcp")
     ran = script("train.py", *tiny_args(char_data, out, resume="auto", checkpoint_format="sharded",
                                         **{**SAME, "max_iters": 16}))
     assert ran.returncode == 0, ran.stderr
-    assert f"removed {out / checkpoint.TMP}" in ran.stdout
+    assert f"removed {out / TMP}" in ran.stdout
     assert f"resuming from {out / 'previous.dcp'} at step 12" in ran.stdout
     assert ckpt(out, "last.dcp")["step"] == 16 and ckpt(out, "previous.dcp")["step"] == 12
 
