@@ -5,8 +5,9 @@
 
 For each format (file, sharded, sharded + async) run A starts fresh, saves at step 2, goes on
 and is killed (SIGKILL to every process) once step 3 is logged; run B resumes from that
-checkpoint and saves at step 4. Run U trains the same 4 steps uninterrupted (sharded), and every
-run B's step-4 checkpoint is compared with U's, tensor by tensor (weights, AdamW moments, RNG).
+checkpoint and saves at step 4. Run U, first, trains the same 4 steps uninterrupted (sharded), and
+every run B's step-4 checkpoint is compared with U's, tensor by tensor (weights, AdamW moments,
+RNG); a format's checkpoints are then deleted (--keep keeps them), so ~35 GB of disk suffice.
 
 Each rank runs train.py's own cli through a thin wrapper (this file's --worker), which records
 without touching train.py: peak RSS (VmHWM, reset through /proc/self/clear_refs) from process
@@ -20,6 +21,7 @@ vocabulary), block 64, one sequence per process, float32, gloo. Needs ~20 GB of 
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -205,6 +207,7 @@ def main(argv=None):
     p.add_argument("--formats", default=",".join(FORMATS), help="which of " + ", ".join(FORMATS))
     p.add_argument("--data_dir", default=str(REPO / "data" / "shakespeare_char"))
     p.add_argument("--small", action="store_true", help="a 2-layer model: check this script in a minute")
+    p.add_argument("--keep", action="store_true", help="keep each format's checkpoints (deleted once compared)")
     args = p.parse_args(argv)
     if args.small:
         MODEL[:3] = ["--n_layer=2", "--n_head=2", "--n_embd=64"]
@@ -215,16 +218,18 @@ def main(argv=None):
     runs = args.report / "runs"
     runs.mkdir(exist_ok=True)
     data = [f"--data_dir={args.data_dir}"]
-    results = {}
-    for name in args.formats.split(","):
-        results[name] = measure(name, FORMATS[name], runs, data)
-        print(table({name: results[name]}), flush=True)
-    straight = runs / "uninterrupted"
+    straight = runs / "uninterrupted"  # first, so each format's checkpoints can go once compared
     launch([*MODEL, *data, *FORMATS["sharded"], f"--out_dir={straight}", "--resume=never"],
            runs / "uninterrupted.rec", runs / "uninterrupted.log")
-    for name, r in ((n, r) for n, r in results.items() if "failed" not in r):
-        resumed = Path(r["out"]) / ("last.pt" if name == "file" else "last.dcp")
-        r["resumed_vs_uninterrupted"] = compare(resumed, straight / "last.dcp")
+    results = {}
+    for name in args.formats.split(","):
+        r = results[name] = measure(name, FORMATS[name], runs, data)
+        if "failed" not in r:
+            resumed = Path(r["out"]) / ("last.pt" if name == "file" else "last.dcp")
+            r["resumed_vs_uninterrupted"] = compare(resumed, straight / "last.dcp")
+            if not args.keep:  # 17 GB a format at full size
+                shutil.rmtree(r["out"])
+        print(table({name: r}), flush=True)
     report = table(results) + "\n\n" + "\n".join(
         f"- {name}: run B exited {r['exit_b']} ({'; '.join(r['resumed']) or 'did not resume'}); its step-4 "
         f"checkpoint against the uninterrupted run's: {r['resumed_vs_uninterrupted']}"
