@@ -17,14 +17,8 @@ give --dataset=NAME or --data_dir=DIR to read real data. Under another launcher 
 hosts, SLURM), run the worker with it: `torchrun ... bench.py --worker --result=FILE ...`;
 rank 0 writes the run's figures to FILE.
 
-Figures: tokens/s = tokens per optimizer step / mean step time (the slowest rank's, per step);
-comm share = 1 - (step time with the gradient all-reduce skipped on every micro-step) / (step
-time with it), the share of a step spent waiting on communication that compute did not hide
-(under fsdp only the gradient reduce-scatter is skipped: the weight all-gathers stay, and with
-no gradients reduced the optimizer has nothing to step, so its comm share is a lower bound);
-peak memory per rank (CUDA's max allocated, or the process's peak RSS on the CPU); the model
-state each rank holds (parameters, gradients, optimizer moments); MFU on GPUs with a known
-peak; scaling efficiency = tokens/s on N processes / (N x tokens/s on one), same global batch.
+Each figure (tokens/s, step time, comm share, memory, model state, MFU, scaling efficiency) is
+defined in docs/performance.md.
 """
 
 import dataclasses
@@ -85,20 +79,18 @@ def timed_steps(run, n: int, device, sync: bool = True) -> list:
     return times
 
 
-def slowest_rank(times: list, world: World) -> list:
-    """Per step, the slowest rank's time: a step is done when every rank is."""
-    t = torch.tensor(times, dtype=torch.float64)
-    if world.size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.group)
-    return t.tolist()
-
-
-def per_rank(value: float, world: World) -> list:
-    t = torch.zeros(world.size, dtype=torch.float64)
-    t[world.rank] = value
+def by_rank(values: list, world: World) -> list:
+    """Every rank's `values`, one row per rank."""
+    t = torch.zeros(world.size, len(values), dtype=torch.float64)
+    t[world.rank] = torch.tensor(values, dtype=torch.float64)
     if world.size > 1:
         dist.all_reduce(t, group=world.group)
     return t.tolist()
+
+
+def slowest_rank(times: list, world: World) -> list:
+    """Per step, the slowest rank's time: a step is done when every rank is."""
+    return [max(step) for step in zip(*by_rank(times, world))]
 
 
 def state_bytes(run) -> dict:
@@ -173,7 +165,7 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
             profile_steps(run, device, Path(profile_dir), write=world.is_master)
         figures = dict(
             world_size=world.size, accumulation_steps=accum, tokens_per_step=run.tokens_per_step,
-            step_times=times, step_times_nosync=nosync, peak_memory=per_rank(peak, world),
+            step_times=times, step_times_nosync=nosync, peak_memory=[row[0] for row in by_rank([peak], world)],
             memory_kind="cuda max allocated" if device.type == "cuda" else "peak RSS",
             state_bytes=held, sequences_per_rank_step=cfg.batch_size * accum,
             mfu=run.raw_model.estimate_mfu(cfg.batch_size * accum, statistics.mean(times),
@@ -289,15 +281,13 @@ def main(argv=None):
     cfg = resolve(cfg_args)  # a bad config, device, dataset or size fails here, once, not in every worker
     world = setup(cfg, claim=False)
     meta = None if synthetic(cfg_args) else Dataset(cfg).meta
-    shape = GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
-                      bias=cfg.bias, vocab_size=(meta or {"vocab_size": GPT2_VOCAB})["vocab_size"],
-                      pad_vocab_to=cfg.pad_vocab_to)
+    shape = GPTConfig(**cfg.model_args((meta or {"vocab_size": GPT2_VOCAB})["vocab_size"]))
     for n in nprocs:
         accumulation_steps(cfg, n)  # raises where the global batch cannot be split over n
         for strategy in strategies:
             shards = min(cfg.fsdp_shard_size or n, n)
-            problem = memory_problem(shape, cfg, dataclasses.replace(world, size=n, local_size=n, shard_size=shards),
-                                     strategy)
+            problem = memory_problem(shape, cfg, dataclasses.replace(world, size=n, local_size=n, shard_size=shards,
+                                                                     strategy=strategy if n > 1 else "ddp"))
             if problem:
                 raise ConfigError(problem)
     report = Path(opts["report"])

@@ -78,6 +78,9 @@ def on_rank0(read, world, rank0_only: tuple = ()):
     return result if world.is_master else shared
 
 
+AGREE_EVERY = 10  # steps between train.py's agreements on rare events, when log_interval is longer
+
+
 def log_step(loss: torch.Tensor, signum: int, problems: list, world) -> tuple:
     """At a log step, in one all-reduce: the loss averaged over ranks, whether any rank was sent
     SIGTERM or SIGINT, and for each of `problems` (this rank's message or None) the lowest

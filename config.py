@@ -93,6 +93,17 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def defaults(cls) -> str:
+        """Every name and its default, as --name=value lines (train.py --help)."""
+        return "Config names and their defaults (docs/config.md explains each):\n" + "\n".join(
+            f"  --{k}={v if isinstance(v, str) else repr(v)}" for k, v in cls().to_dict().items())
+
+    def model_args(self, vocab_size: int) -> dict:
+        """GPTConfig's fields for a model of this shape on a vocabulary of vocab_size tokens."""
+        return dict(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, bias=self.bias, dropout=self.dropout,
+                    block_size=self.block_size, vocab_size=vocab_size, pad_vocab_to=self.pad_vocab_to)
+
 
 FIELD_TYPES = typing.get_type_hints(Config)
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")

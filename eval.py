@@ -21,10 +21,9 @@ import checkpoint
 import pretrained
 from collectives import agree_or_raise
 from config import Config
-from data.dataset import split_shards
 from errors import ConfigError, reported
 from evals import hellaswag
-from loader import Tokens, dataset_dir, eval_starts, read_dataset
+from loader import dataset_dir, eval_starts, read_dataset, token_splits
 from evals.loss import val_loss
 from world import autocast, collective_failures_explained, place, process_group
 
@@ -69,7 +68,7 @@ def val_split(args, model) -> tuple:
     if meta["vocab_size"] != model.config.vocab_size:
         raise ConfigError(f"{dataset_dir(cfg)} has a vocabulary of {meta['vocab_size']} tokens, the model "
                           f"{model.config.vocab_size}: give a dataset of the model's tokenizer")
-    tokens = Tokens(split_shards(dataset_dir(cfg), meta)["val"], meta["vocab_size"])
+    tokens = token_splits(cfg, meta)["val"]
     return tokens, eval_starts(tokens, cfg.block_size, args.val_windows)
 
 
@@ -90,8 +89,8 @@ def main(argv=None):
         agree_or_raise(error, world)
         if val is not None:
             loss = val_loss(model, *val, model.config.block_size, args.batch_size, world, autocast(world), False)
-        score, _ = hellaswag.evaluate(model, examples, world, autocast(world),
-                                      max(1, args.batch_size // hellaswag.ENDINGS), progress=world.is_master)
+        score, _ = hellaswag.evaluate(model, examples, world, autocast(world), args.batch_size,
+                                      progress=world.is_master)
     if world.is_master:
         print(f"# {name}, {world.size} process{'es' if world.size > 1 else ''}")
         if val is not None:

@@ -147,6 +147,11 @@ class ShardedTokenLoader:
         self.epoch, self.position = epoch, position
 
 
+def token_splits(cfg: Config, meta: dict) -> dict:
+    """The dataset's train and val splits, each over its shards."""
+    return {split: Tokens(shards, meta["vocab_size"]) for split, shards in split_shards(dataset_dir(cfg), meta).items()}
+
+
 def eval_starts(tokens: Tokens, block_size: int, n_windows: int) -> np.ndarray:
     """A fixed set of evaluation windows: evenly spread, the same every eval and every run."""
     per_shard = (tokens.lengths - 1) // block_size  # windows at offset 0

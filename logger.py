@@ -8,14 +8,16 @@ import sys
 import time
 from pathlib import Path
 
+from collectives import any_rank, first_error
 from data.files import atomic_write_bytes
+from errors import LogNotWritten
 
 
 class Logger:
 
     def __init__(self, cfg, resumed_step, enabled: bool, tokens_per_step: int, estimate_mfu=None):
         """`resumed_step`: the step a resumed run starts from (None for a fresh run).
-        `estimate_mfu(sequences, seconds)`: the model's MFU for that work, or None."""
+        `estimate_mfu(steps, seconds)`: the model's MFU for that many optimizer steps, or None."""
         self.enabled = enabled
         self.tokens_per_step, self.estimate_mfu = tokens_per_step, estimate_mfu
         self.bar = self.wandb = self.failure = None  # failure: why metrics.jsonl could not be written
@@ -53,7 +55,8 @@ class Logger:
         cfg, world, raw_model = run.cfg, run.world, run.raw_model
         on_gpu = world.device.type == "cuda"
         log = cls(cfg, run.step if run.resumed_from else None, world.is_master, run.tokens_per_step,
-                  (lambda sequences, seconds: raw_model.estimate_mfu(sequences, seconds, cfg.peak_flops or None))
+                  (lambda steps, seconds: raw_model.estimate_mfu(cfg.batch_size * world.accum * steps, seconds,
+                                                                 cfg.peak_flops or None))
                   if on_gpu else None)
         log.write_run_files(cfg, meta, dict(
             torch=torch.__version__, python=sys.version.split()[0], world_size=world.size,
@@ -93,6 +96,11 @@ class Logger:
         except OSError as e:
             self.failure = f"could not write {path} ({e.strerror or e})"
 
+    def check(self, world, saved):
+        """Every rank: all stop, with one message, when rank 0 could not write its log files."""
+        if any_rank(self.failure is not None, world):
+            raise LogNotWritten(first_error(self.failure, world), saved)
+
     def say(self, text: str):
         if self.bar:
             self.bar.write(text)
@@ -111,19 +119,27 @@ class Logger:
         """Throughput counts training time only: call after anything else (an eval, a save)."""
         self.clock, self.clock_step = time.time(), step
 
-    def train_step(self, step: int, loss: float, lr: float, grad_norm, sequences_per_step: int):
-        """Log a step's loss (already reduced over ranks) with the throughput since the last log."""
+    def train_step(self, step: int, loss: float, lr: float, grad_norm):
+        """Log a step's loss (already reduced over ranks) with the throughput since the last log;
+        grad_norm: a tensor or None (no clipping)."""
         elapsed, steps = time.time() - self.clock, step - self.clock_step
         self.restart_clock(step)
         record = {"step": step, "loss": loss, "lr": lr, "tokens_per_sec": steps * self.tokens_per_step / elapsed}
         if grad_norm is not None:
-            record["grad_norm"] = grad_norm
+            record["grad_norm"] = grad_norm.item()
         text = f"step {step}: loss {loss:.4f}, lr {lr:.2e}, {record['tokens_per_sec']:,.0f} tok/s"
-        mfu = self.estimate_mfu(sequences_per_step * steps, elapsed) if self.estimate_mfu else None
+        mfu = self.estimate_mfu(steps, elapsed) if self.estimate_mfu else None
         if mfu is not None:
             record["mfu"] = mfu
             text += f", mfu {mfu * 100:.1f}%"
         self.log(record, text)
+
+    def hellaswag(self, step: int, score):
+        self.log({"step": step, "hellaswag_acc": score.acc, "hellaswag_acc_norm": score.acc_norm,
+                  "hellaswag_examples": score.examples, "hellaswag_truncated": score.truncated},
+                 f"step {step}: {score.line()}" + (f" ({score.truncated} contexts cut to block_size)"
+                                                   if score.truncated else ""))
+        self.restart_clock(step)
 
     def advance(self, step: int):
         if self.bar:

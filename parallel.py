@@ -30,12 +30,12 @@ def is_fsdp(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def build(make_model, strategy: str, world: World, reshard: bool):
+def build(make_model, world: World, reshard: bool):
     """The model on world.device, sharded under FSDP (the optimizer is made afterwards, on the
     shards; DDP wraps it later, after compile). Under FSDP only rank 0 builds the model whole,
     from the seed; the others build it on the meta device, which allocates nothing, and after
     sharding each fills its shard from rank 0's weights: the same weights as a DDP run's."""
-    if strategy != "fsdp":
+    if world.strategy != "fsdp":
         return make_model().to(world.device)
     with torch.device("meta") if not world.is_master else nullcontext():
         model = make_model()
@@ -176,12 +176,12 @@ def load_sharded_state(raw_model, optimizer, tensors: dict, param_groups: list):
     set_optimizer_state_dict(raw_model, optimizer, {"state": tensors["optimizer"], "param_groups": param_groups})
 
 
-def memory_problem(model_cfg, cfg, world: World, strategy: str):
+def memory_problem(model_cfg, cfg, world: World):
     """A message when training this model clearly cannot fit this process's memory, else None.
     A lower bound, so only the impossible is refused: weights, gradients and AdamW moments
     (16 bytes a parameter, sharded under FSDP) plus the float32 logits of one micro-batch."""
     n = model_cfg.n_params
-    state = 16 * n // (world.shard_size if strategy == "fsdp" else 1)
+    state = 16 * n // (world.shard_size if world.strategy == "fsdp" else 1)
     logits = 4 * cfg.batch_size * cfg.block_size * model_cfg.padded_vocab_size
     available = available_memory(world.device, world.local_size)
     if state + logits > available:
@@ -193,12 +193,12 @@ def memory_problem(model_cfg, cfg, world: World, strategy: str):
     return None
 
 
-def make_scaler(device: torch.device, dtype: torch.dtype, strategy: str):
+def make_scaler(world: World):
     """The fp16 loss scaler (disabled otherwise); FSDP's agrees on inf/NaN across the shards."""
-    if strategy == "fsdp" and dtype == torch.float16:
+    if world.strategy == "fsdp" and world.dtype == torch.float16:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        return ShardedGradScaler(device.type)
-    return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        return ShardedGradScaler(world.device.type)
+    return torch.amp.GradScaler(world.device.type, enabled=world.dtype == torch.float16)
 
 
 def set_activation_checkpointing(raw_model, enabled: bool):

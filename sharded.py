@@ -190,12 +190,12 @@ class Background:
         return self.error
 
 
-def save(tensors: dict, run_state: dict, out_dir: Path, best: bool, world, background=False, group=None):
+def save(tensors: dict, run_state: dict, out_dir: Path, best: bool, world, background=False):
     """Every rank writes its shards of `tensors` (rank 0 also run.json, the plain values) into
     out_dir/.last.dcp.tmp; then rank 0 commits it (_commit). background (async_checkpoint): DCP
-    copies the tensors now and writes them from a thread, over `group` (a gloo group of its own);
-    returns a Background, which commits when the write completes. Raises OSError on every rank
-    when any rank failed."""
+    copies the tensors now and writes them from a thread over world.save_group (a gloo group of
+    its own, made at the first such save); returns a Background, which commits when the write
+    completes. Raises OSError on every rank when any rank failed."""
     from torch.distributed.checkpoint import FileSystemWriter
     tmp, failure = out_dir / TMP, None
     if world.is_master:
@@ -210,8 +210,10 @@ def save(tensors: dict, run_state: dict, out_dir: Path, best: bool, world, backg
     alone = world.size == 1
     with _dcp() as dcp:
         if background:
+            if not alone and world.save_group is None:
+                world.save_group = torch.distributed.new_group(backend="gloo")
             future = dcp.async_save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=alone,
-                                    process_group=None if alone else group)
+                                    process_group=None if alone else world.save_group)
             return Background(future, out_dir, best, world.is_master, run_state["step"], tensor_bytes(tensors))
         try:
             dcp.save(tensors, storage_writer=FileSystemWriter(tmp), process_group=world.group, no_dist=alone)
@@ -247,14 +249,14 @@ def check_shared(folder: Path, world, what: str):
             probe.unlink(missing_ok=True)
 
 
-def save_run(raw_model, optimizer, run_state: dict, out_dir: Path, best: bool, world, background=False, group=None):
+def save_run(raw_model, optimizer, run_state: dict, out_dir: Path, best: bool, world, background=False):
     """Every rank: a run's sharded checkpoint: this rank's shards of the model and optimizer, every
     rank's RNG states, and run_state with the optimizer's param_groups in run.json (see save)."""
     tensors, param_groups = parallel.sharded_state(raw_model, optimizer)
     tensors["rng"] = gather_rng_states(world)
     state = dict(run_state, param_groups=param_groups,
                  rng_shapes={k: list(v.shape) for k, v in tensors["rng"].items()})
-    return save(tensors, state, out_dir, best, world, background, group)
+    return save(tensors, state, out_dir, best, world, background)
 
 
 def load_run(path: Path, raw_model, optimizer, ckpt: dict, world) -> dict:

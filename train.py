@@ -9,21 +9,17 @@
     # two hosts: on each, with --node_rank=0 on the first and 1 on the second
     torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=HOST_A --master_port=29500 train.py
 
-Arguments are config files (plain Python) and --name=value overrides; see config.py and the
-table in README.md. Ranks come from the launcher's environment (world.py finds them). Only
-global rank 0 writes into out_dir.
-
-One rule governs start-up: every problem is found before the process group forms, by every
-rank alike (world.setup), or, when only some ranks can see it (rank 0's checkpoint, one host's
-data), agreed on by all ranks before anyone acts on it (collectives.py). So a mistake ends
-every rank at once with the same message, and no rank is left waiting for a peer that has
-already given up.
+Arguments are config files (plain Python) and --name=value overrides (config.py, docs/config.md).
+Ranks come from the launcher's environment (world.py). Only global rank 0 writes into out_dir,
+except the shards of a sharded checkpoint. A mistake ends every rank at once with one message:
+world.setup finds what each rank can alone, before the group forms; what only some can see is
+agreed on first (collectives.py).
 """
 
 import math
 import signal
 import sys
-from contextlib import contextmanager
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -35,13 +31,13 @@ import checkpoint
 import parallel
 import pretrained
 import sharded
-from collectives import agree_or_raise, any_rank, first_error, gather_rng_states, log_step, on_rank0, restore_rng_states
+from collectives import (AGREE_EVERY, agree_or_raise, any_rank, first_error, gather_rng_states, log_step, on_rank0,
+                         restore_rng_states)
 from config import Config, resolve
-from data.dataset import split_shards
 from errors import CheckpointNotWritten, ConfigError, Diverged, LogNotWritten, first_line, reported
 from evals import hellaswag
 from evals.loss import val_loss
-from loader import Dataset, ShardedTokenLoader, Tokens, dataset_dir, eval_starts
+from loader import Dataset, ShardedTokenLoader, eval_starts, token_splits
 from logger import Logger
 from model import GPT, GPTConfig
 from world import StopSignal, World, autocast, collective_failures_explained, process_group, setup, strip_local_rank
@@ -121,43 +117,38 @@ class Run:
     resumed_from: Optional[str] = None
     saved: Optional[tuple] = None  # (file name, step) of the newest checkpoint known written, for messages
     pending: Optional[sharded.Background] = None  # async_checkpoint: the save being written
-    save_group: object = None  # async_checkpoint: the gloo group its background writes use
     hellaswag_step: int = -1  # the step HellaSwag was last evaluated at: a resume neither repeats nor skips one
 
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.global_batch_size * self.cfg.block_size
 
-    def run_state(self) -> dict:
-        """The plain values of a checkpoint, in either format."""
-        return dict(format=checkpoint.FORMAT, scaler=self.scaler.state_dict(), step=self.step,
-                    tokens_seen=self.step * self.tokens_per_step, val_loss=self.val_loss,
-                    best_val_loss=self.best_val_loss, hellaswag_step=self.hellaswag_step, config=self.cfg.to_dict(),
-                    model_args=self.model_args, loader=self.loader.state_dict(), world_size=self.world.size)
-
-    def state_dict(self) -> dict:
-        """The file format's checkpoint. Every rank calls it: the RNG states are gathered from
-        all ranks, FSDP's shards to rank 0 (the other ranks get None for the model and optimizer)."""
-        rng = gather_rng_states(self.world)
-        model, optimizer = parallel.full_state(self.raw_model, self.optimizer)
-        return dict(self.run_state(), model=model, optimizer=optimizer, rng=rng)
+    def state_dict(self, tensors: bool = True) -> dict:
+        """The file format's checkpoint, or (tensors=False) the plain values a sharded one keeps in
+        run.json. Every rank calls it: RNG states are gathered from all ranks, FSDP's shards to rank 0."""
+        state = dict(format=checkpoint.FORMAT, scaler=self.scaler.state_dict(), step=self.step,
+                     tokens_seen=self.step * self.tokens_per_step, val_loss=self.val_loss,
+                     best_val_loss=self.best_val_loss, hellaswag_step=self.hellaswag_step, config=self.cfg.to_dict(),
+                     model_args=self.model_args, loader=self.loader.state_dict(), world_size=self.world.size)
+        if tensors:
+            state["rng"] = gather_rng_states(self.world)
+            state["model"], state["optimizer"] = parallel.full_state(self.raw_model, self.optimizer)
+        return state
 
     def load_state_dict(self, ckpt: dict):
         """Every rank calls it. File format: only rank 0's ckpt holds the tensors (the others'
         are None). Sharded: every rank reads its own part, resharded to this world by DCP."""
-        if ckpt.get("sharded"):
-            ckpt = {**ckpt, "rng": sharded.load_run(Path(ckpt["path"]), self.raw_model, self.optimizer, ckpt, self.world)}
+        if ckpt.get("sharded"):  # every rank loads its own shards, and its RNG states with them
+            ckpt["rng"] = sharded.load_run(Path(ckpt["path"]), self.raw_model, self.optimizer, ckpt, self.world)
         else:
             parallel.load_full_state(self.raw_model, self.optimizer, self.world, ckpt["model"] or {},
                                      ckpt["optimizer"] or {})
-        self.step = ckpt["step"]
+        self.step, self.best_val_loss, self.resumed_from = ckpt["step"], ckpt["best_val_loss"], ckpt["path"]
         self.saved = (Path(ckpt["path"]).name, self.step)
-        self.best_val_loss, self.resumed_from = ckpt["best_val_loss"], ckpt["path"]
         if ckpt["scaler"] or not self.scaler.is_enabled():  # a disabled scaler ignores a saved one
             self.scaler.load_state_dict(ckpt["scaler"])
         elif self.world.is_master:  # the dtype changed to float16 on this resume
-            print(f"note: {self.resumed_from} was not trained in float16: the loss scale starts afresh",
-                  flush=True)
+            print(f"note: {self.resumed_from} was not trained in float16: the loss scale starts afresh", flush=True)
         self.loader.load_state_dict(ckpt["loader"])
         self.hellaswag_step = ckpt.get("hellaswag_step", self.step)  # older files: as if evaluated there
         if ckpt["world_size"] == self.world.size:
@@ -177,8 +168,8 @@ class Run:
         out_dir, failure = Path(self.cfg.out_dir), None
         try:
             if self.cfg.checkpoint_format == "sharded":  # every rank writes its own part
-                self.pending = sharded.save_run(self.raw_model, self.optimizer, self.run_state(), out_dir, best,
-                                                self.world, self.cfg.async_checkpoint, self.save_group)
+                self.pending = sharded.save_run(self.raw_model, self.optimizer, self.state_dict(False), out_dir, best,
+                                                self.world, self.cfg.async_checkpoint)
             else:
                 state = self.state_dict()
                 if self.world.is_master:
@@ -200,6 +191,12 @@ class Run:
                 raise CheckpointNotWritten(pending.step, first_error(failure, self.world), self.saved)
             self.saved = ("last.dcp", pending.step)
 
+    def close(self):
+        """At the end, failed or not, a background save finishes (and may commit) first: a process
+        that ended mid-write would leave its part unwritten."""
+        if self.pending is not None:
+            self.pending.failure(wait=True)
+
 
 def build_run(cfg: Config, world: World, meta: dict) -> Run:
     """Model (sharded for FSDP), optimizer, scaler, loader and eval windows; then the checkpoint,
@@ -209,24 +206,20 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
     if pretrained.is_pretrained(cfg.init_from):  # the shape is GPT-2's; rank 0 reads its config
         model_args = on_rank0(lambda: pretrained.model_args(cfg.init_from, cfg, meta), world)
     else:
-        model_args = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, bias=cfg.bias,
-                          block_size=cfg.block_size, vocab_size=meta["vocab_size"], dropout=cfg.dropout,
-                          pad_vocab_to=cfg.pad_vocab_to)
-    strategy = cfg.strategy if world.size > 1 else "ddp"  # one process: nothing to shard
+        model_args = cfg.model_args(meta["vocab_size"])
     # an impossible size is refused before anything is allocated (hosts may differ: agree)
-    agree_or_raise(parallel.memory_problem(GPTConfig(**model_args), cfg, world, strategy), world)
+    agree_or_raise(parallel.memory_problem(GPTConfig(**model_args), cfg, world), world)
     # FSDP: only rank 0 builds the whole model; every rank gets its shard of rank 0's weights
-    raw_model = parallel.build(lambda: GPT(GPTConfig(**model_args)), strategy, world, cfg.fsdp_reshard)
+    raw_model = parallel.build(lambda: GPT(GPTConfig(**model_args)), world, cfg.fsdp_reshard)
     parallel.set_activation_checkpointing(raw_model, cfg.activation_checkpointing)
     # (fused AdamW cannot take FSDP's float16 scaler: its inf flag has shape [1], not [])
-    fp16_fsdp = strategy == "fsdp" and world.dtype == torch.float16
+    fused = world.strategy == "ddp" or world.dtype != torch.float16
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                               world.device.type, fused=not fp16_fsdp)
-    splits = {split: Tokens(shards, meta["vocab_size"])
-              for split, shards in split_shards(dataset_dir(cfg), meta).items()}
+                                               world.device.type, fused)
+    splits = token_splits(cfg, meta)
     n_eval = cfg.eval_iters * cfg.global_batch_size  # not per rank: the same windows for any launch
     run = Run(cfg=cfg, world=world, raw_model=raw_model, model=raw_model, optimizer=optimizer,
-              scaler=parallel.make_scaler(world.device, world.dtype, strategy), model_args=model_args,
+              scaler=parallel.make_scaler(world), model_args=model_args,
               loader=ShardedTokenLoader(splits["train"], cfg.block_size, cfg.batch_size, cfg.global_batch_size,
                                         world.rank, world.size, cfg.seed, world.device),
               eval_sets={split: (tokens, eval_starts(tokens, cfg.block_size, n_eval))
@@ -245,21 +238,11 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
         weights = on_rank0(lambda: {"model": pretrained.load_state(cfg.init_from, raw_model)}, world, ("model",))
         parallel.load_full_state(raw_model, optimizer, world, weights["model"] or {})
     run.model = parallel.wrap(torch.compile(raw_model) if cfg.compile else raw_model, raw_model, world)
-    if cfg.async_checkpoint and world.size > 1:  # background saves talk on their own group
-        run.save_group = torch.distributed.new_group(backend="gloo")
     return run
 
 
 # -----------------------------------------------------------------------------
 # the loop
-
-AGREE_EVERY = 10  # steps between the ranks' agreements on rare events, when log_interval is longer
-
-def check_log(log: Logger, run: Run):
-    """Rank 0 could not write its log files (a full disk): every rank stops, with one message."""
-    if any_rank(log.failure is not None, run.world):
-        raise LogNotWritten(first_error(log.failure, run.world), run.saved)
-
 
 def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
     """Both splits' loss; then a checkpoint when one is due (never for the step a resume began at)."""
@@ -269,8 +252,7 @@ def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
               for split, (tokens, starts) in run.eval_sets.items()}
     run.val_loss = losses["val"]
     if not math.isfinite(run.val_loss):
-        raise Diverged(f"the validation loss is {run.val_loss} at step {run.step}", run.cfg.learning_rate,
-                       run.saved)
+        raise Diverged(f"the validation loss is {run.val_loss} at step {run.step}", cfg.learning_rate, run.saved)
     improved = run.val_loss < run.best_val_loss
     run.best_val_loss = min(run.best_val_loss, run.val_loss)
     log.log({"step": run.step, "train_eval_loss": losses["train"], "val_loss": run.val_loss,
@@ -281,31 +263,6 @@ def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
     log.restart_clock(run.step)
 
 
-def eval_hellaswag(run: Run, log: Logger):
-    """HellaSwag's accuracy, on every rank (rank 0 logs it). The unwrapped model: an eval forward
-    needs no DDP, and under FSDP raw_model is the sharded module itself."""
-    score, _ = hellaswag.evaluate(run.raw_model, run.hellaswag, run.world, run.autocast,
-                                  max(1, run.cfg.batch_size // hellaswag.ENDINGS), parallel.is_fsdp(run.raw_model))
-    run.hellaswag_step = run.step
-    log.log({"step": run.step, "hellaswag_acc": score.acc, "hellaswag_acc_norm": score.acc_norm,
-             "hellaswag_examples": score.examples, "hellaswag_truncated": score.truncated},
-            f"step {run.step}: {score.line()}" + (f" ({score.truncated} contexts cut to block_size)"
-                                                   if score.truncated else ""))
-    log.restart_clock(run.step)
-
-
-@contextmanager
-def finishing(run: Run):
-    """A run that fails lets its background save finish first (it may commit): a process that
-    ended with DCP's thread mid-write would leave its part unwritten."""
-    try:
-        yield
-    except BaseException:
-        if run.pending is not None:
-            run.pending.failure(wait=True)
-        raise
-
-
 def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[str]) -> dict:
     agree_or_raise(out_dir_error, world)  # rank 0 cannot use out_dir (busy, unwritable): every rank stops
     if cfg.checkpoint_format == "sharded":
@@ -313,17 +270,21 @@ def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[s
     meta = dataset.ready(world)
     run = build_run(cfg, world, meta)
     log = Logger.start(run, meta)
-    check_log(log, run)
+    log.check(world, run.saved)
     start_step, stopped = run.step, 0  # stopped: the signal that stopped the run
     with StopSignal() as stop, collective_failures_explained(world, cfg.dist_timeout, lambda: f"step {run.step}"), \
-            finishing(run):
+            closing(run):
         while True:
             lr = get_lr(run.step, cfg)
             for group in run.optimizer.param_groups:
                 group["lr"] = lr
             at_end = run.step >= cfg.max_iters
             if run.hellaswag_due(at_end):  # before eval_and_save, so a checkpoint there records it
-                eval_hellaswag(run, log)
+                # (the unwrapped model: an eval forward needs no DDP; under FSDP it is the sharded module)
+                score, _ = hellaswag.evaluate(run.raw_model, run.hellaswag, world, run.autocast, cfg.batch_size,
+                                              parallel.is_fsdp(run.raw_model))
+                run.hellaswag_step = run.step
+                log.hellaswag(run.step, score)
             if (run.step % cfg.eval_interval == 0 or at_end) and not (run.step == start_step and run.resumed_from):
                 eval_and_save(run, log, at_end, start_step)
             if at_end:
@@ -346,11 +307,9 @@ def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[s
                 if save_failure:
                     raise CheckpointNotWritten(run.pending.step, save_failure, run.saved)
                 if not math.isfinite(loss):
-                    raise Diverged(f"the training loss is {loss} at step {run.step}", cfg.learning_rate,
-                                   run.saved)
+                    raise Diverged(f"the training loss is {loss} at step {run.step}", cfg.learning_rate, run.saved)
                 if at_log:
-                    log.train_step(run.step, loss, lr, None if grad_norm is None else grad_norm.item(),
-                                   cfg.batch_size * world.accum)
+                    log.train_step(run.step, loss, lr, grad_norm)
                 if signum and run.step < cfg.max_iters:  # the last step still evaluates and saves
                     run.save(best=False)
                     run.wait_for_save()
@@ -360,7 +319,7 @@ def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[s
                     break
             log.advance(run.step)
         run.wait_for_save()
-    check_log(log, run)  # the last lines were written after the last log step's check
+    log.check(world, run.saved)  # the last lines were written after the last log step's check
     log.close()
     return {"step": run.step, "val_loss": run.val_loss, "best_val_loss": run.best_val_loss, "stopped": stopped}
 
@@ -379,10 +338,7 @@ def cli(argv=None):
     with the traceback only under --debug."""
     args = sys.argv[1:] if argv is None else list(argv)
     if "-h" in args or "--help" in args:
-        defaults = "\n".join(f"  --{k}={v if isinstance(v, str) else repr(v)}"
-                             for k, v in Config().to_dict().items())
-        print(f"{__doc__}\n--debug shows the traceback of an error.\n\nConfig names and their defaults "
-              f"(README.md explains each):\n{defaults}")
+        print(f"{__doc__}\n--debug shows the traceback of an error.\n\n{Config.defaults()}")
         return
     with reported(debug="--debug" in args):
         result = main(resolve(strip_local_rank([a for a in args if a != "--debug"])))

@@ -45,6 +45,8 @@ class World:
     backend: str = "gloo"
     accum: int = 1        # micro-steps per optimizer step on each rank
     shard_size: int = 1   # FSDP shards over groups of this many ranks (HSDP when < size)
+    strategy: str = "ddp" # cfg.strategy; ddp on one process, where there is nothing to shard
+    save_group: object = None  # async_checkpoint: a gloo group of its own for background writes
 
     @property
     def is_master(self) -> bool:
@@ -231,6 +233,7 @@ def setup(cfg: Config, claim: bool = True) -> World:
         raise ConfigError(f"fsdp_shard_size ({cfg.fsdp_shard_size}) must divide the world size ({world.size}): "
                           f"e.g. the processes per host, {world.local_size}")
     world.shard_size = min(cfg.fsdp_shard_size or world.size, world.size)
+    world.strategy = cfg.strategy if world.size > 1 else "ddp"
     return world
 
 

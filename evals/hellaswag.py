@@ -208,11 +208,13 @@ class Score:
         return f"hellaswag: acc {self.acc:.4f} acc_norm {self.acc_norm:.4f} over {self.examples} examples"
 
 
-def evaluate(model, examples: list, world, autocast, per_batch: int, same_forwards: bool = False,
+def evaluate(model, examples: list, world, autocast, batch_size: int, same_forwards: bool = False,
              progress: bool = False) -> tuple:
     """(Score over all ranks, the same on every rank; this rank's picks {example index: (by sum,
-    by mean)}). Every rank calls it. `same_forwards` (FSDP, which gathers weights in every
-    forward): a rank with fewer batches scores spare ones, counted nowhere, to keep in step."""
+    by mean)}). Every rank calls it; a forward scores batch_size sequences (at least one example's
+    four). `same_forwards` (FSDP, which gathers weights in every forward): a rank with fewer
+    batches scores spare ones, counted nowhere, to keep in step."""
+    per_batch = max(1, batch_size // ENDINGS)
     batches = [range(i, min(i + per_batch, len(examples))) for i in range(0, len(examples), per_batch)]
     mine = batches[world.rank::world.size]
     forwards = len(batches[::world.size]) if same_forwards else len(mine)  # rank 0 has the most

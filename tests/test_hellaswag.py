@@ -102,7 +102,7 @@ def test_acc_and_each_chosen_ending_match_a_transformers_reference(hf_folder, hs
     expected = reference_picks(transformers.GPT2LMHeadModel.from_pretrained(hf_folder).eval(), hs_file)
     examples = hellaswag.load(str(hs_file), block_size=64)
     assert len({len(row) for ex in examples for row in ex.rows}) > 5  # endings of many lengths
-    score, picks = hellaswag.evaluate(pretrained.load_gpt(str(hf_folder)), examples, World(), torch.autocast("cpu", enabled=False), per_batch=5)
+    score, picks = hellaswag.evaluate(pretrained.load_gpt(str(hf_folder)), examples, World(), torch.autocast("cpu", enabled=False), batch_size=20)
     assert [picks[i] for i in range(len(examples))] == [(s, m) for s, m, _ in expected]
     assert score.correct == sum(s == label for s, _, label in expected)
     assert score.correct_norm == sum(m == label for _, m, label in expected)
@@ -254,7 +254,7 @@ def _score_rank(rank, world_size, hf_folder, path, out):
     with process_group(world, 60):
         examples = hellaswag.load(str(path), 64)
         score, picks = hellaswag.evaluate(pretrained.load_gpt(str(hf_folder)), examples, world,
-                                          torch.autocast("cpu", enabled=False), per_batch=5)
+                                          torch.autocast("cpu", enabled=False), batch_size=20)
     (out / f"w{world_size}r{rank}.json").write_text(json.dumps([score.__dict__, picks]))
 
 
@@ -262,7 +262,7 @@ def _score_rank(rank, world_size, hf_folder, path, out):
 def test_one_two_and_four_ranks_give_identical_counts(hf_folder, hs_file, tmp_path):
     examples = hellaswag.load(str(hs_file), 64)
     one, picks = hellaswag.evaluate(pretrained.load_gpt(str(hf_folder)), examples, World(),
-                                    torch.autocast("cpu", enabled=False), per_batch=5)
+                                    torch.autocast("cpu", enabled=False), batch_size=20)
     for world_size in (2, 4):
         run_ranks(_score_rank, world_size, hf_folder, hs_file, tmp_path)
         results = [json.loads((tmp_path / f"w{world_size}r{r}.json").read_text()) for r in range(world_size)]
