@@ -2,6 +2,7 @@
 
     python bench/fsdp_large.py --report=bench/cpu-fsdp-large          # about 30 minutes on 2 cores
     python bench/fsdp_large.py --formats=sharded --report=/tmp/x       # one format
+    python bench/fsdp_large.py --shape=24,16,1024 --report=bench/cpu-fsdp-medium   # GPT-2 medium's shape
 
 For each format (file, sharded, sharded + async) run A starts fresh, saves at step 2, goes on
 and is killed (SIGKILL to every process) once step 3 is logged; run B resumes from that
@@ -181,8 +182,8 @@ def measure(name: str, flags: list, folder: Path, data: list) -> dict:
     a_rec, b_rec = folder / f"{out.name}.A", folder / f"{out.name}.B"
     code = launch([*common, "--resume=never"], a_rec, folder / f"{out.name}.A.log", kill_after="step 3:")
     if code != -signal.SIGKILL or not (out / ("last.pt" if name == "file" else "last.dcp")).exists():
-        return {"failed": f"run A exited {code} before its step-2 checkpoint and step 3 "
-                          f"(see {folder / out.name}.A.log; a kernel OOM kill shows as -9 with no checkpoint)",
+        return {"failed": f"run A ended (torchrun exit {code}) before its step-2 checkpoint and step 3: see "
+                          f"{folder / out.name}.A.log, where a rank the OOM killer ended shows as exitcode -9",
                 "records": {"A": records(a_rec)}}
     code = launch([*common, "--resume=auto"], b_rec, folder / f"{out.name}.B.log")
     a, b = records(a_rec), records(b_rec)
@@ -207,10 +208,14 @@ def main(argv=None):
     p.add_argument("--formats", default=",".join(FORMATS), help="which of " + ", ".join(FORMATS))
     p.add_argument("--data_dir", default=str(REPO / "data" / "shakespeare_char"))
     p.add_argument("--small", action="store_true", help="a 2-layer model: check this script in a minute")
+    p.add_argument("--shape", default="36,20,1280", help="n_layer,n_head,n_embd (GPT-2 medium: 24,16,1024)")
     p.add_argument("--keep", action="store_true", help="keep each format's checkpoints (deleted once compared)")
     args = p.parse_args(argv)
-    if args.small:
-        MODEL[:3] = ["--n_layer=2", "--n_head=2", "--n_embd=64"]
+    try:
+        shape = [int(v) for v in ("2,2,64" if args.small else args.shape).split(",")]
+        MODEL[:3] = [f"--n_layer={shape[0]}", f"--n_head={shape[1]}", f"--n_embd={shape[2]}"]
+    except (ValueError, IndexError):
+        raise ConfigError(f"--shape={args.shape}: give n_layer,n_head,n_embd, e.g. 24,16,1024") from None
     unknown = [f for f in args.formats.split(",") if f not in FORMATS]
     if unknown:
         raise ConfigError(f"--formats: {unknown} are not among {list(FORMATS)}")
@@ -226,7 +231,8 @@ def main(argv=None):
         r = results[name] = measure(name, FORMATS[name], runs, data)
         if "failed" not in r:
             resumed = Path(r["out"]) / ("last.pt" if name == "file" else "last.dcp")
-            r["resumed_vs_uninterrupted"] = compare(resumed, straight / "last.dcp")
+            r["resumed_vs_uninterrupted"] = (compare(resumed, straight / "last.dcp") if r["exit_b"] == 0 else
+                                             "not compared: run B did not finish")
             if not args.keep:  # 17 GB a format at full size
                 shutil.rmtree(r["out"])
         print(table({name: r}), flush=True)
