@@ -164,7 +164,7 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
         if profile_dir:
             profile_steps(run, device, Path(profile_dir), write=world.is_master)
         figures = dict(
-            world_size=world.size, accumulation_steps=accum, tokens_per_step=run.tokens_per_step,
+            world_size=world.size, accumulation_steps=accum, tokens_per_step=cfg.tokens_per_step,
             step_times=times, step_times_nosync=nosync, peak_memory=[row[0] for row in by_rank([peak], world)],
             memory_kind="cuda max allocated" if device.type == "cuda" else "peak RSS",
             state_bytes=held, sequences_per_rank_step=cfg.batch_size * accum,

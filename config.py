@@ -90,6 +90,10 @@ class Config:
     wandb_project: str = "gpt-train"
     wandb_run_name: str = ""                # "" = derived from out_dir
 
+    @property
+    def tokens_per_step(self) -> int:  # in one optimizer step, over all processes
+        return self.global_batch_size * self.block_size
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

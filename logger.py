@@ -15,11 +15,11 @@ from errors import LogNotWritten
 
 class Logger:
 
-    def __init__(self, cfg, resumed_step, enabled: bool, tokens_per_step: int, estimate_mfu=None):
+    def __init__(self, cfg, resumed_step, enabled: bool, estimate_mfu=None):
         """`resumed_step`: the step a resumed run starts from (None for a fresh run).
         `estimate_mfu(steps, seconds)`: the model's MFU for that many optimizer steps, or None."""
         self.enabled = enabled
-        self.tokens_per_step, self.estimate_mfu = tokens_per_step, estimate_mfu
+        self.tokens_per_step, self.estimate_mfu = cfg.tokens_per_step, estimate_mfu
         self.bar = self.wandb = self.failure = None  # failure: why metrics.jsonl could not be written
         self.restart_clock(resumed_step or 0)
         if not enabled:
@@ -54,7 +54,7 @@ class Logger:
         import torch
         cfg, world, raw_model = run.cfg, run.world, run.raw_model
         on_gpu = world.device.type == "cuda"
-        log = cls(cfg, run.step if run.resumed_from else None, world.is_master, run.tokens_per_step,
+        log = cls(cfg, run.step if run.resumed_from else None, world.is_master,
                   (lambda steps, seconds: raw_model.estimate_mfu(cfg.batch_size * world.accum * steps, seconds,
                                                                  cfg.peak_flops or None))
                   if on_gpu else None)
@@ -62,9 +62,9 @@ class Logger:
             torch=torch.__version__, python=sys.version.split()[0], world_size=world.size,
             device=torch.cuda.get_device_name(world.device) if on_gpu else world.device.type,
             backend=world.backend, dtype=str(world.dtype).removeprefix("torch."), accumulation_steps=world.accum,
-            tokens_per_step=run.tokens_per_step, model=run.model_args))
+            tokens_per_step=cfg.tokens_per_step, model=run.model_args))
         log.say(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | tokens per optimizer step: "
-                f"{run.tokens_per_step:,} = {cfg.global_batch_size} sequences x {cfg.block_size} tokens "
+                f"{cfg.tokens_per_step:,} = {cfg.global_batch_size} sequences x {cfg.block_size} tokens "
                 f"({cfg.batch_size} per micro-batch x {world.size} processes x {world.accum} accumulation steps)")
         if run.resumed_from:
             log.say(f"resuming from {run.resumed_from} at step {run.step}")

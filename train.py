@@ -40,7 +40,8 @@ from evals.loss import val_loss
 from loader import Dataset, ShardedTokenLoader, eval_starts, token_splits
 from logger import Logger
 from model import GPT, GPTConfig
-from world import StopSignal, World, autocast, collective_failures_explained, process_group, setup, strip_local_rank
+from world import (StopSignal, World, autocast, collective_failures_explained, process_group, release_freed_memory,
+                   setup, strip_local_rank)
 
 
 # -----------------------------------------------------------------------------
@@ -119,15 +120,11 @@ class Run:
     pending: Optional[sharded.Background] = None  # async_checkpoint: the save being written
     hellaswag_step: int = -1  # the step HellaSwag was last evaluated at: a resume neither repeats nor skips one
 
-    @property
-    def tokens_per_step(self) -> int:
-        return self.cfg.global_batch_size * self.cfg.block_size
-
     def state_dict(self, tensors: bool = True) -> dict:
         """The file format's checkpoint, or (tensors=False) the plain values a sharded one keeps in
         run.json. Every rank calls it: RNG states are gathered from all ranks, FSDP's shards to rank 0."""
         state = dict(format=checkpoint.FORMAT, scaler=self.scaler.state_dict(), step=self.step,
-                     tokens_seen=self.step * self.tokens_per_step, val_loss=self.val_loss,
+                     tokens_seen=self.step * self.cfg.tokens_per_step, val_loss=self.val_loss,
                      best_val_loss=self.best_val_loss, hellaswag_step=self.hellaswag_step, config=self.cfg.to_dict(),
                      model_args=self.model_args, loader=self.loader.state_dict(), world_size=self.world.size)
         if tensors:
@@ -233,10 +230,11 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
     ckpt = on_rank0(lambda: checkpoint.load_for_resume(cfg, model_args), world, ("model", "optimizer", "rng"))
     if ckpt is not None:
         run.load_state_dict(ckpt)
-        del ckpt
     elif pretrained.is_pretrained(cfg.init_from):
-        weights = on_rank0(lambda: {"model": pretrained.load_state(cfg.init_from, raw_model)}, world, ("model",))
-        parallel.load_full_state(raw_model, optimizer, world, weights["model"] or {})
+        ckpt = on_rank0(lambda: {"model": pretrained.load_state(cfg.init_from, raw_model)}, world, ("model",))
+        parallel.load_full_state(raw_model, optimizer, world, ckpt["model"] or {})
+    del ckpt  # rank 0's whole copy, and under FSDP its whole first model, are garbage now:
+    release_freed_memory()  # back to the OS, or glibc keeps them resident through training
     run.model = parallel.wrap(torch.compile(raw_model) if cfg.compile else raw_model, raw_model, world)
     return run
 
@@ -256,7 +254,7 @@ def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
     improved = run.val_loss < run.best_val_loss
     run.best_val_loss = min(run.best_val_loss, run.val_loss)
     log.log({"step": run.step, "train_eval_loss": losses["train"], "val_loss": run.val_loss,
-             "tokens_seen": run.step * run.tokens_per_step},
+             "tokens_seen": run.step * cfg.tokens_per_step},
             f"step {run.step}: train loss {losses['train']:.4f}, val loss {run.val_loss:.4f}")
     if run.step > start_step and (run.cfg.always_save_checkpoint or improved or at_end):
         run.save(best=improved)

@@ -13,6 +13,7 @@ every rank alike: each rank fails at once instead of leaving its peers waiting o
 dist_timeout. What only some ranks can know is agreed on afterwards (collectives.py).
 """
 
+import ctypes
 import gc
 import os
 import re
@@ -203,6 +204,16 @@ def available_memory(device: torch.device, local_size: int = 1) -> int:
         return kib * 1024 // local_size
     except (OSError, StopIteration, ValueError):  # not Linux: no estimate, nothing refused
         return 2**62
+
+
+def release_freed_memory():
+    """Hand the memory that freed tensors held back to the OS. glibc keeps freed buffers of up to
+    32 MB (a block's weights) in its heap, so without this a process that loaded a whole
+    checkpoint stays that much larger through training. A no-op without glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def accumulation_steps(cfg: Config, world_size: int) -> int:

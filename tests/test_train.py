@@ -99,3 +99,27 @@ def test_a_fresh_run_in_a_used_out_dir_starts_a_new_log(char_data, tmp_path):
     train_here(char_data, tmp_path, max_iters=4, eval_interval=2)
     train_here(char_data, tmp_path, max_iters=4, eval_interval=2, resume="never")
     assert [r["step"] for r in metrics(tmp_path) if "val_loss" in r] == [0, 2, 4]
+
+
+def test_a_resume_hands_rank_0s_read_copy_back_to_the_os(char_data, tmp_path, monkeypatch):
+    """After build_run has read a whole checkpoint, nothing freed is left resident: glibc keeps
+    freed buffers of up to 32 MB in its heap, which malloc_trim would still give back."""
+    import ctypes
+
+    import train
+    shape = dict(n_layer=2, n_head=4, n_embd=768, batch_size=2, global_batch_size=2, eval_iters=1, max_iters=1)
+    train_here(char_data, tmp_path, **shape)
+    size = (tmp_path / "last.pt").stat().st_size  # ~170 MB: weights and AdamW moments
+    rss = lambda: int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
+    resident = []
+
+    def measured(*args):
+        run = build_run(*args)
+        before = rss()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        resident.append(before - rss())  # what build_run left for malloc_trim to give back
+        return run
+    build_run = train.build_run
+    monkeypatch.setattr(train, "build_run", measured)
+    train_here(char_data, tmp_path, **{**shape, "max_iters": 2, "resume": "auto"})
+    assert resident and resident[0] < size / 10, (resident, size)
