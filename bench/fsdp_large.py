@@ -1,6 +1,6 @@
 """GPT-2 large's shape under FSDP on 4 CPU processes: peak memory and checkpoint times per format.
 
-    python bench/fsdp_large.py --report=bench/cpu-fsdp-large          # about 30 minutes on 2 cores
+    python bench/fsdp_large.py --report=bench/cpu-fsdp-large          # about 45 minutes on 2 cores
     python bench/fsdp_large.py --formats=sharded --report=/tmp/x       # one format
     python bench/fsdp_large.py --shape=24,16,1024 --report=bench/cpu-fsdp-medium   # GPT-2 medium's shape
 
@@ -16,7 +16,8 @@ start through build_run (start-up, or resume for run B, which loads the checkpoi
 the training steps, and over each save; the seconds each save blocked training, and for async
 saves the seconds until the background write was committed; the seconds the resume's load took.
 The model: n_layer=36 n_head=20 n_embd=1280 (GPT-2 large, 708M parameters with the 65-character
-vocabulary), block 64, one sequence per process, float32, gloo. Needs ~20 GB of free memory.
+vocabulary), block 64, one sequence per process, float32, gloo. Needs ~20 GB of free memory
+(GPT-2 medium's shape, --shape=24,16,1024: ~11 GB and about 18 minutes).
 """
 
 import argparse
