@@ -219,19 +219,26 @@ def no_temporaries(out_dir) -> bool:
     return not [p.name for p in Path(out_dir).iterdir() if p.name.endswith(".tmp")]
 
 
-def _rank_entry(rank: int, world_size: int, port: int, fn, args: tuple):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+def _rank_entry(rank: int, world_size: int, port: int, env: dict, fn, args: tuple):
+    os.environ.clear()  # the test's environment now, not the fork server's at its start
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     fn(rank, world_size, *args)
 
 
+# Ranks are forked from a server that imported torch once, rather than spawned afresh: each
+# would otherwise spend a second or two importing torch (and pytest), most of a tiny run.
+# Only imports happen in the server (no thread pool starts), so forking it is safe.
+mp.set_forkserver_preload(["torch", "torch.distributed", "numpy", "pytest", "train"])
+
+
 def run_ranks(fn, world_size: int, *args):
-    """Call fn(rank, world_size, *args) in world_size spawned processes set up like torchrun's.
+    """Call fn(rank, world_size, *args) in world_size new processes set up like torchrun's.
 
     fn must be a module-level function; it may call train.main or build its own process group.
     """
-    mp.start_processes(_rank_entry, args=(world_size, free_port(), fn, args),
-                       nprocs=world_size, start_method="spawn")
+    mp.start_processes(_rank_entry, args=(world_size, free_port(), dict(os.environ), fn, args),
+                       nprocs=world_size, start_method="forkserver")
 
 
 def _train_rank(rank: int, world_size: int, args: list, result_dir: Path, patch):
