@@ -48,7 +48,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.multihost, pytest.mark.usefixtures("
 
 PORTS = itertools.count(29400)  # each namespace pair is new, so only reuse inside a test matters
 RUN_TIMEOUT = 90.0              # a normal run here takes ~10 s; this only bounds a hang
-TIMEOUT = 10                    # dist_timeout / rendezvous timeouts of the failure tests
+TIMEOUT = 10                    # dist_timeout of a run that trains, then loses its network
+WAIT = 5                        # dist_timeout / rendezvous timeout where a peer never comes
 ERROR_BOUND = 40.0              # a failure must be reported within this many seconds
 
 
@@ -255,7 +256,7 @@ def test_a_missing_host_fails_within_dist_timeout_with_advice(two_hosts, launch,
     address = f"{two_hosts.a.addr}:{port}"
     procs = [launch.start(f"rank{rank}", two_hosts.a,
                           [sys.executable, "train.py", *args_for(char_data, tmp_path / "out",
-                                                                 dist_timeout=TIMEOUT)],
+                                                                 dist_timeout=WAIT)],
                           two_hosts.a.env(child_env(RANK=rank, WORLD_SIZE=4, LOCAL_RANK=rank,
                                                     LOCAL_WORLD_SIZE=2, MASTER_ADDR=two_hosts.a.addr,
                                                     MASTER_PORT=port)))
@@ -277,9 +278,9 @@ def test_a_missing_host_fails_within_dist_timeout_with_advice(two_hosts, launch,
 def test_torchrun_alone_is_bounded_by_its_rendezvous_timeout(two_hosts, launch, char_data, tmp_path):
     # torchrun waits 600 s for a missing node unless told otherwise; the bound is a rendezvous
     # option, not dist_timeout (no worker starts): static takes timeout=, c10d join_timeout=
-    args = args_for(char_data, tmp_path / "out", dist_timeout=TIMEOUT)
-    static = torchrun(two_hosts, 0, next(PORTS), "static", args, timeout=TIMEOUT)
-    c10d = torchrun(two_hosts, 0, next(PORTS), "c10d", args, join_timeout=TIMEOUT)
+    args = args_for(char_data, tmp_path / "out", dist_timeout=WAIT)
+    static = torchrun(two_hosts, 0, next(PORTS), "static", args, timeout=WAIT)
+    c10d = torchrun(two_hosts, 0, next(PORTS), "c10d", args, join_timeout=WAIT)
     env = two_hosts.a.env(child_env())
     procs = [launch.start("static", two_hosts.a, static, env),
              launch.start("c10d", two_hosts.a, c10d, env)]

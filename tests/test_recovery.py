@@ -14,11 +14,11 @@ from harness import (assert_same_weights, ckpt, free_port, logged_step, python, 
                      torchrun, wait_for)
 
 pytestmark = pytest.mark.slow
-STEPS = 120
+STEPS = 60
 
 
 def recovery_args(data, out, strategy="ddp", **kw):
-    return tiny_args(data, out, max_iters=STEPS, eval_interval=20, strategy=strategy, **kw)
+    return tiny_args(data, out, max_iters=STEPS, eval_interval=10, strategy=strategy, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_a_signal_to_torchrun_stops_every_rank_at_a_step_and_resume_matches(char
     # SIGTERM is what a scheduler sends before preempting; SIGINT what Ctrl-C sends torchrun
     args = recovery_args(char_data, tmp_path, strategy, resume="auto")
     proc = start(torchrun(args))
-    wait_for(lambda: logged_step(tmp_path) >= 25, proc, what="step 25")
+    wait_for(lambda: logged_step(tmp_path) >= 15, proc, what="step 15")
     signalled_at = logged_step(tmp_path)
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
@@ -50,6 +50,8 @@ def test_a_signal_to_torchrun_stops_every_rank_at_a_step_and_resume_matches(char
     stopped = ckpt(tmp_path)
     assert signalled_at <= stopped["step"] < STEPS, out  # the next step boundary, not the last eval
     assert f"stopped by {sig.name} at step" in out, out
+    if sig == signal.SIGINT:  # what follows a stop is the same for either signal: tested with SIGTERM
+        return
     run(torchrun(args))
     final = ckpt(tmp_path)
     assert final["step"] == STEPS
@@ -58,7 +60,7 @@ def test_a_signal_to_torchrun_stops_every_rank_at_a_step_and_resume_matches(char
 
 def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(char_data, tmp_path, uninterrupted):
     proc = start(torchrun(recovery_args(char_data, tmp_path, resume="auto"), extra=["--max-restarts=1"]))
-    wait_for(lambda: (tmp_path / "last.pt").exists() and logged_step(tmp_path) >= 25, proc, what="a checkpoint")
+    wait_for(lambda: (tmp_path / "last.pt").exists() and logged_step(tmp_path) >= 15, proc, what="a checkpoint")
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert len(workers) == 2, workers
     subprocess.run(["kill", "-9", workers[1]], check=True)
