@@ -99,19 +99,12 @@ def locked_out_dir(out_dir, world):
 
 def newest(paths: list) -> list:
     """The checkpoints among `paths` that exist, the most recently written first (not the
-    highest step: a fresh run into a used out_dir makes the old run's last its previous).
-    An unreadable one is put last, so a readable one is preferred to it, saying so."""
-    found, damaged = [], []
-    for i, path in enumerate(p for p in paths if p.exists()):
-        try:
-            read(path, tensors=False)
-            found.append((-(path / ".metadata" if path.is_dir() else path).stat().st_mtime_ns, i, path))
-        except (UnreadableCheckpoint, OSError) as e:
-            damaged.append((e, path))
-    found = [path for *_, path in sorted(found)]
-    for e, _ in damaged if found else ():
-        print(f"warning: {e}\ntrying {found[0]} instead", file=sys.stderr, flush=True)
-    return found + [path for _, path in damaged]
+    highest step: a fresh run into a used out_dir makes the old run's last its previous). Nothing
+    is read here: read_first reads each in turn and falls back past an unreadable one."""
+    def written(path):
+        stamp = path / ".metadata" if (path / ".metadata").exists() else path  # a .dcp's commit time
+        return stamp.stat().st_mtime_ns
+    return sorted((p for p in paths if p.exists()), key=written, reverse=True)
 
 
 def find(cfg: Config) -> list:
