@@ -9,6 +9,7 @@ train.py's own entry point, so there is no second copy of the training code.
 
 import os
 import signal
+import socket
 import sys
 
 import torch
@@ -17,7 +18,14 @@ import torch.multiprocessing as mp
 import train
 from config import resolve
 from errors import ConfigError, reported
-from world import accumulation_steps, free_port, setup, strip_local_rank
+from world import accumulation_steps, setup, strip_local_rank
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for MASTER_PORT on one host)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def worker(rank: int, nproc: int, args: list[str]):

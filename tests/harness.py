@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from world import free_port  # noqa: F401  (the tests' port picker too)
+from train_spawn import free_port  # noqa: F401  (the tests' port picker too)
 
 REPO = Path(__file__).resolve().parent.parent
 EXPECTED_FILES = ["best.pt", "config.json", "last.pt", "meta.json", "metrics.jsonl", "previous.pt", "run.lock"]

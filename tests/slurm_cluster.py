@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from world import free_port
+from train_spawn import free_port
 
 PACKAGES = "slurm-wlm munge"
 TOOLS = ["munged", "munge", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "squeue",

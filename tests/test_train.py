@@ -123,3 +123,28 @@ def test_a_resume_hands_rank_0s_read_copy_back_to_the_os(char_data, tmp_path, mo
     monkeypatch.setattr(train, "build_run", measured)
     train_here(char_data, tmp_path, **{**shape, "max_iters": 2, "resume": "auto"})
     assert resident and resident[0] < size / 10, (resident, size)
+
+
+CHECK_MMAP = """
+import ctypes, torch, world
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+world.place("cpu", "float32", "auto")
+torch.ones(16 << 20, dtype=torch.uint8).sum()  # freed at once: glibc would raise its threshold to 16 MB
+mapped = libc.mallinfo2().hblkhd
+x = torch.ones(8 << 20, dtype=torch.uint8)
+print(libc.mallinfo2().hblkhd - mapped)
+"""
+
+
+@pytest.mark.slow
+def test_a_cpu_process_maps_big_tensors_on_their_own():
+    """A process training on the CPU fixes glibc's mmap threshold at 4 MB (world.keep_cpu_memory_lean):
+    a tensor over it is mapped on its own and unmapped when freed, not kept in the fragmenting heap."""
+    from harness import python
+    result = python("-c", CHECK_MMAP)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) >= 8 << 20, result.stdout
