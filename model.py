@@ -198,7 +198,8 @@ class GPT(nn.Module):
             # in a pass of its own; the mask fuses into the loss under torch.compile.)
             logits = logits.masked_fill(torch.arange(logits.size(-1), device=idx.device) >= V, float('-inf'))
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        return logits[..., :V], loss  # (B, T, V)
+        # (not a view where nothing is padded: FSDP warns of a view its backward hook could miss)
+        return (logits[..., :V] if self.config.padded_vocab_size > V else logits), loss  # (B, T, V)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, fused=True):
         """AdamW with weight decay on matrices and embeddings only, not on biases or LayerNorms."""

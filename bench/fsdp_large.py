@@ -203,6 +203,7 @@ def measure(name: str, flags: list, folder: Path, data: list) -> dict:
 
 
 def main(argv=None):
+    import world
     from errors import ConfigError
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--report", required=True, type=Path, help="folder for report.json, report.md and the runs")
@@ -221,6 +222,7 @@ def main(argv=None):
     if unknown:
         raise ConfigError(f"--formats: {unknown} are not among {list(FORMATS)}")
     args.report.mkdir(parents=True, exist_ok=True)
+    world.keep_cpu_memory_lean()  # or the comparisons' freed gigabytes stay with this process
     runs = args.report / "runs"
     runs.mkdir(exist_ok=True)
     data = [f"--data_dir={args.data_dir}"]
@@ -236,14 +238,13 @@ def main(argv=None):
                                              "not compared: run B did not finish")
             if not args.keep:  # 17 GB a format at full size
                 shutil.rmtree(r["out"])
-        print(table({name: r}), flush=True)
-    report = table(results) + "\n\n" + "\n".join(
-        f"- {name}: run B exited {r['exit_b']} ({'; '.join(r['resumed']) or 'did not resume'}); its step-4 "
-        f"checkpoint against the uninterrupted run's: {r['resumed_vs_uninterrupted']}"
-        for name, r in results.items() if "failed" not in r)
-    (args.report / "report.md").write_text(report + "\n")
-    (args.report / "report.json").write_text(json.dumps(results, indent=1))
-    print(report)
+        report = table(results) + "\n\n" + "\n".join(
+            f"- {name}: run B exited {r['exit_b']} ({'; '.join(r['resumed']) or 'did not resume'}); its step-4 "
+            f"checkpoint against the uninterrupted run's: {r['resumed_vs_uninterrupted']}"
+            for name, r in results.items() if "failed" not in r)
+        (args.report / "report.md").write_text(report + "\n")  # after each format: a later one may be killed
+        (args.report / "report.json").write_text(json.dumps(results, indent=1))
+        print(report, flush=True)
 
 
 if __name__ == "__main__":
