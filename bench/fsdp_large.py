@@ -1,6 +1,6 @@
 """GPT-2 large's shape under FSDP on 4 CPU processes: peak memory and checkpoint times per format.
 
-    python bench/fsdp_large.py --report=bench/cpu-fsdp-large          # about 45 minutes on 2 cores
+    python bench/fsdp_large.py --report=bench/cpu-fsdp-large          # about 25 minutes on 2 cores
     python bench/fsdp_large.py --formats=sharded --report=/tmp/x       # one format
     python bench/fsdp_large.py --shape=24,16,1024 --report=bench/cpu-fsdp-medium   # GPT-2 medium's shape
 
