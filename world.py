@@ -179,7 +179,9 @@ def use_device(world: World):
     """Make world.device this process's own: its GPU, or its share of the host's CPU cores."""
     if world.device.type == "cpu":  # ranks on one host share its cores
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, cores // world.local_size))
+        threads = max(1, cores // world.local_size)
+        if torch.get_num_threads() != threads:  # setting even the same count made 20x the futex calls
+            torch.set_num_threads(threads)
     elif world.device.type == "cuda":
         torch.cuda.set_device(world.device)
         # A mixed-precision run may do what float32 matmuls are left in TF32 on tensor cores;
@@ -201,10 +203,9 @@ def available_memory(device: torch.device, local_size: int = 1) -> int:
 
 
 def keep_cpu_memory_lean():
-    """Free tensors over 4 MB straight to the OS. glibc otherwise raises that bar to 32 MB and keeps
-    a step's freed temporaries in a fragmenting heap: an FSDP rank of GPT-2 small's shape peaked
-    at 1.9 GiB, not 0.8 (docs/fsdp.md). 2 MB pages, where the kernel allows, keep the fresh pages
-    from costing speed (PyTorch reads THP_MEM_ALLOC_ENABLE at its first tensor: call this first)."""
+    """Free tensors over 4 MB straight to the OS: glibc's heap kept a step's temporaries (an FSDP rank
+    peaked at 1.9 GiB, not 0.8: docs/fsdp.md). 2 MB pages, where the kernel allows, keep the fresh
+    pages from costing speed (PyTorch reads THP_MEM_ALLOC_ENABLE at its first tensor: call this first)."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     if LIBC:
         LIBC.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD; a fixed one is never raised
