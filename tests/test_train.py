@@ -7,7 +7,7 @@ import torch
 
 import loader
 from errors import ConfigError
-from harness import EXPECTED_FILES, ckpt, metrics, train_here
+from harness import EXPECTED_FILES, ckpt, metrics, python, train_here
 
 
 def test_single_process_run_lowers_val_loss(char_data, tmp_path):
@@ -144,7 +144,6 @@ print(libc.mallinfo2().hblkhd - mapped)
 def test_a_cpu_process_maps_big_tensors_on_their_own():
     """A process training on the CPU fixes glibc's mmap threshold at 4 MB (world.keep_cpu_memory_lean):
     a tensor over it is mapped on its own and unmapped when freed, not kept in the fragmenting heap."""
-    from harness import python
     result = python("-c", CHECK_MMAP)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) >= 8 << 20, result.stdout
