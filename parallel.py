@@ -1,20 +1,9 @@
-"""How the model is spread over the processes: the strategy.
+"""How the model is spread over the processes (docs/fsdp.md).
 
-ddp   every rank holds the whole model, its gradients and the AdamW moments (about 16 bytes per
-      parameter in float32); DistributedDataParallel all-reduces the gradients during backward.
-fsdp  PyTorch's FSDP2 (fully_shard): each transformer block, then the root (embeddings, final
-      norm), is sharded over the ranks, so each rank holds 1/world of the parameters, gradients
-      and moments. A block's parameters are all-gathered just before its forward and backward,
-      and its gradients reduce-scattered after its backward. fsdp_reshard=True frees the gathered
-      parameters after forward (ZeRO-3: least memory, a second all-gather in backward);
-      False keeps them until backward (ZeRO-2-like: more memory, less communication).
-
-Both strategies read and write the same checkpoints, so a checkpoint of one resumes under the
-other, at any world size. The file format holds the full state dict, gathered to rank 0, with
-the optimizer state keyed as torch.optim's own state_dict() keys it (by parameter position); on
-a resume rank 0 reads the file and PyTorch's state-dict API (broadcast_from_rank0) hands each
-rank its part. The sharded format holds each rank's own part, keyed by parameter name
-(sharded_state), which DCP reshards on load.
+ddp: every rank holds the whole model, gradients and AdamW moments; DDP all-reduces gradients.
+fsdp: FSDP2 (fully_shard) per block, then the root: each rank holds 1/world of all three, and a
+block's weights are all-gathered around its forward and backward (HSDP: within groups of ranks).
+Both read and write the same checkpoints, so either resumes the other at any world size.
 """
 
 from contextlib import contextmanager, nullcontext
@@ -105,12 +94,6 @@ def all_finite(raw_model, world: World) -> bool:
     return bool(ok.item())
 
 
-def _fqns(raw_model, optimizer) -> list:
-    """Parameter names in the optimizer's order: what position i in its state_dict() names."""
-    names = {id(p): n for n, p in raw_model.named_parameters()}
-    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
 def full_state(raw_model, optimizer) -> tuple:
     """(model state dict, optimizer state dict) in full; every rank calls it. Under FSDP the
     shards are gathered to rank 0's CPU memory (the other ranks get empty dicts)."""
@@ -127,12 +110,16 @@ def full_state(raw_model, optimizer) -> tuple:
     return model_sd, by_position(optim_sd)
 
 
+def rekey(optim_sd: dict, key: dict) -> dict:
+    """An optimizer state dict with each parameter's key k replaced by key[k]: by name (the
+    state-dict API's layout) or by position in param_groups (torch.optim's, what a ddp run writes)."""
+    return {"state": {key[k]: dict(s) for k, s in optim_sd["state"].items()},
+            "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in optim_sd["param_groups"]]}
+
+
 def by_position(optim_sd: dict) -> dict:
-    """An optimizer state dict keyed by parameter name, in the layout of torch.optim's own
-    state_dict() (the one a ddp run writes): parameters numbered in param_groups' order."""
-    position = {name: i for i, name in enumerate(n for g in optim_sd["param_groups"] for n in g["params"])}
-    return {"state": {position[n]: s for n, s in optim_sd["state"].items()},
-            "param_groups": [{**g, "params": [position[n] for n in g["params"]]} for g in optim_sd["param_groups"]]}
+    """A name-keyed optimizer state dict in torch.optim's own layout: parameters numbered in order."""
+    return rekey(optim_sd, {n: i for i, n in enumerate(n for g in optim_sd["param_groups"] for n in g["params"])})
 
 
 def load_full_state(raw_model, optimizer, world: World, model_sd: dict, optim_sd: dict = None):
@@ -150,10 +137,9 @@ def load_full_state(raw_model, optimizer, world: World, model_sd: dict, optim_sd
     set_model_state_dict(raw_model, dict(model_sd), options=options)  # a copy: it is changed in place
     if optim_sd is not None:
         if optim_sd:  # rank 0: positions -> names, the layout the API reads
-            names = _fqns(raw_model, optimizer)
-            optim_sd = {"state": {names[i]: dict(s) for i, s in optim_sd["state"].items()},
-                        "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
-                                         for g in optim_sd["param_groups"]]}
+            names = {id(p): n for n, p in raw_model.named_parameters()}
+            optim_sd = rekey(optim_sd, dict(enumerate(names[id(p)] for g in optimizer.param_groups
+                                                      for p in g["params"])))
         set_optimizer_state_dict(raw_model, optimizer, optim_sd, options=options)
 
 
