@@ -1,11 +1,7 @@
-"""The sharded checkpoint format: a torch.distributed.checkpoint (DCP) folder, NAME.dcp, into
-which every rank writes its own shards in parallel (storage every rank sees), plus run.json,
-the plain values. checkpoint.py finds and checks checkpoints of both formats; this module writes
-and reads the folders, and moves a run's state in and out of them (save_run, load_run).
-
-A save goes to out_dir/.last.dcp.tmp and is committed by renames, so a kill at any moment leaves
-a complete last.dcp or previous.dcp. DCP writes .metadata with pickle: it is read here by an
-unpickler that builds only DCP's own metadata classes, and a folder holds tensors only.
+"""The sharded format: a torch.distributed.checkpoint (DCP) folder, NAME.dcp, into which every rank
+writes its own shards (storage every rank sees), plus run.json, the plain values. A save goes to
+.last.dcp.tmp and is committed by renames. DCP's .metadata is a pickle: it is read here by an
+unpickler that builds only DCP's metadata classes, so a crafted file cannot run code.
 """
 
 import hashlib
@@ -16,7 +12,6 @@ import shutil
 import socket
 import threading
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -30,13 +25,8 @@ from errors import UnreadableCheckpoint, first_line
 TMP = ".last.dcp.tmp"  # a save in progress; remove_stale_temporaries deletes one a kill left
 
 
-@contextmanager
-def _dcp():
-    """DCP's module; in one process (no_dist=True, as asked) it still warns that it assumes one."""
-    import torch.distributed.checkpoint as dcp
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield dcp
+# DCP in one process (no_dist=True, as asked) warns that it assumes one
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -107,8 +97,8 @@ def load(path: Path, state: dict, world=None):
     resharded by DCP; every rank of `world` calls it (world=None: this process alone)."""
     alone = world is None or world.size == 1
     try:
-        with _dcp() as dcp:
-            dcp.load(state, storage_reader=_reader(path), process_group=None if alone else world.group, no_dist=alone)
+        import torch.distributed.checkpoint as dcp
+        dcp.load(state, storage_reader=_reader(path), process_group=None if alone else world.group, no_dist=alone)
     except BaseException as e:  # DCP's CheckpointException is a BaseException; Ctrl-C goes on
         if not isinstance(e, Exception) and not hasattr(e, "failures"):
             raise
@@ -196,7 +186,7 @@ def save(tensors: dict, run_state: dict, out_dir: Path, best: bool, world, backg
     copies the tensors now and writes them from a thread over world.save_group (a gloo group of
     its own, made at the first such save); returns a Background, which commits when the write
     completes. Raises OSError on every rank when any rank failed."""
-    from torch.distributed.checkpoint import FileSystemWriter
+    import torch.distributed.checkpoint as dcp  # imported when first used: it takes 0.7 s
     tmp, failure = out_dir / TMP, None
     if world.is_master:
         try:
@@ -207,18 +197,17 @@ def save(tensors: dict, run_state: dict, out_dir: Path, best: bool, world, backg
             failure = first_line(e)
     if any_rank(failure is not None, world):
         raise OSError(first_error(failure, world))
-    alone = world.size == 1
-    with _dcp() as dcp:
-        if background:
-            if not alone and world.save_group is None:
-                world.save_group = torch.distributed.new_group(backend="gloo")
-            future = dcp.async_save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=alone,
-                                    process_group=None if alone else world.save_group)
-            return Background(future, out_dir, best, world.is_master, run_state["step"], tensor_bytes(tensors))
-        try:
-            dcp.save(tensors, storage_writer=FileSystemWriter(tmp), process_group=world.group, no_dist=alone)
-        except dcp.api.CheckpointException as e:
-            raise OSError(_reason(e, out_dir, tensor_bytes(tensors))) from None
+    alone, writer = world.size == 1, dcp.FileSystemWriter(tmp)
+    if background:
+        if not alone and world.save_group is None:
+            world.save_group = torch.distributed.new_group(backend="gloo")
+        future = dcp.async_save(tensors, storage_writer=writer, no_dist=alone,
+                                process_group=None if alone else world.save_group)
+        return Background(future, out_dir, best, world.is_master, run_state["step"], tensor_bytes(tensors))
+    try:
+        dcp.save(tensors, storage_writer=writer, process_group=world.group, no_dist=alone)
+    except dcp.api.CheckpointException as e:
+        raise OSError(_reason(e, out_dir, tensor_bytes(tensors))) from None
     if world.is_master:
         _commit(out_dir, best)
 

@@ -18,6 +18,7 @@ def pytest_configure(config):
                                        "pair (needs root and iproute2; skips without them)")
     config.addinivalue_line("markers", "slurm: runs srun on a local SLURM cluster "
                                        "(needs root, slurm-wlm and munge; skips without them)")
+    config.addinivalue_line("filterwarnings", "ignore:torch.distributed is disabled")  # as sharded.py does
     torch.set_num_threads(1)
 
 
