@@ -1,14 +1,9 @@
 """Checkpoints in two formats, written atomically, read without running code, checked.
 
-file (default): NAME.pt, one file that global rank 0 writes; a dict of tensors and plain Python
-    values, so `torch.load(path, weights_only=True)` reads it. Hosts need no shared disk:
-    train.py hands the state to the other ranks (parallel.py, collectives.py).
-sharded: NAME.dcp, a torch.distributed.checkpoint (DCP) folder into which every rank writes
-    its own shards in parallel (storage every rank sees), plus run.json, the plain values.
-    Read back resharded to any world size and strategy; its .metadata (a pickle) is read by
-    an unpickler that builds only DCP's own metadata classes, and holds tensors only.
-last is the newest checkpoint, previous the one before it, best the one with the lowest
-validation loss; resume=auto takes the newest complete one of either format.
+file (default): NAME.pt, written by global rank 0 (hosts need no shared disk), read with
+    torch.load(weights_only=True). sharded: NAME.dcp, a DCP folder (sharded.py).
+last is the newest checkpoint, previous the one before it, best the lowest validation loss;
+resume=auto takes the newest complete one of either format.
 """
 
 import dataclasses

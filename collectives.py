@@ -1,15 +1,11 @@
-"""Rank-to-rank agreement and small transfers: every function here is a collective that every
-rank must call, and each is a no-op on a single process.
+"""Rank-to-rank agreement and small transfers: every function is a collective that every rank
+calls, and a no-op on a single process.
 
-Why agreement at all: a problem only some ranks can see (rank 0's checkpoint, one host's data,
-a SIGTERM that reached one process, a failed save) must not be acted on by those ranks alone.
-A rank that raised by itself would leave its peers blocked in their next collective until
-dist_timeout, and they would then report a lost peer instead of the real problem. So such
-decisions go through agree_max/any_rank first, and every rank raises the same message.
-
-Small messages (flags, strings, the run state of a checkpoint) travel as JSON bytes over the
-world's gloo group, never as pickle; model and optimizer tensors go through PyTorch's own
-state-dict API (parallel.py).
+Why agree: a problem only some ranks see (rank 0's checkpoint, one host's data, a SIGTERM that
+reached one process) must not be acted on by those ranks alone: a rank that raised by itself
+would leave its peers blocked in their next collective until dist_timeout, reporting a lost peer
+instead of the real problem. So all vote first (any_rank), then all raise the same message.
+Messages travel as JSON over the world's gloo group, never as pickle.
 """
 
 import json

@@ -1,19 +1,6 @@
-"""Training configuration: defaults in one place, config files, --name=value overrides.
-
-A config file is plain Python made of `name = value` assignments:
-
-    n_layer = 6
-    learning_rate = 1e-3
-
-It runs in a namespace of its own (never in our globals); every public name it
-defines must be a field of `Config`, or loading fails and suggests the nearest
-known name. Overrides on the command line come after the file and win:
-
-    python train.py configs/shakespeare_char.py --batch_size=32 --compile=false
-
-Values are parsed as Python literals and checked against the field's type; a
-string field takes the raw text (`--out_dir=out-run1` needs no quotes).
-"""
+"""Training configuration: the defaults (Config), plain-Python config files of `name = value`
+lines, run in a namespace of their own, then --name=value overrides, each checked against its
+field's type; an unknown name suggests the nearest known one (docs/config.md)."""
 
 import ast
 import dataclasses

@@ -1,13 +1,8 @@
-"""Where this process stands: its rank in the world, its device and dtype, and the process group.
+"""Where this process stands: its rank, device and dtype, and the process group (docs/multihost.md).
 
-Ranks come from torchrun or hand-set variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT), else SLURM's inside an srun step, else a single process (train_spawn.py sets the
-torchrun variables; the legacy --local_rank=N becomes LOCAL_RANK). setup() is the start-up that
-train.py and bench.py share (eval.py calls its first half, place()): every problem a rank can
-find by itself (a config typo, a dtype the device cannot run, a global batch the world cannot
-split) is found there, before the process group forms, on every rank alike, so each fails at
-once instead of leaving its peers waiting out dist_timeout. What only some ranks can know is
-agreed on afterwards (collectives.py).
+setup(), the start-up train.py and bench.py share, finds every problem a rank can see alone (a config
+typo, a dtype the device cannot run, a global batch the world cannot split) before the group forms,
+so each rank fails at once instead of waiting out dist_timeout; the rest is agreed (collectives.py).
 """
 
 import ctypes
@@ -125,8 +120,8 @@ def pick_device(name: str, world: World) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        device = torch.device("meta")  # refused just below
+    if device.type not in ("cpu", "cuda", "mps"):
         raise ConfigError(f"device {name!r} is not one this trainer runs on: use auto, cpu, "
                           f"cuda, cuda:N or mps")
     if device.type == "cuda":
@@ -184,8 +179,7 @@ def use_device(world: World):
             torch.set_num_threads(threads)
     elif world.device.type == "cuda":
         torch.cuda.set_device(world.device)
-        # A mixed-precision run may do what float32 matmuls are left in TF32 on tensor cores;
-        # a float32 run asked for float32 and keeps it.
+        # float32 matmuls left in a mixed-precision run may use TF32; a float32 run keeps float32
         torch.backends.cuda.matmul.allow_tf32 = world.dtype != torch.float32
         torch.backends.cudnn.allow_tf32 = world.dtype != torch.float32
 
@@ -218,8 +212,7 @@ def release_freed_memory():
 
 
 def accumulation_steps(cfg: Config, world_size: int) -> int:
-    # Derive, then assert: one optimizer step sees global_batch_size sequences,
-    # split into micro-batches of batch_size on each of the world_size processes.
+    """Derive, then assert: global_batch_size sequences a step, batch_size per micro-step and process."""
     if cfg.global_batch_size % (cfg.batch_size * world_size):
         raise GlobalBatchIndivisible(cfg.global_batch_size, cfg.batch_size, world_size)
     return cfg.global_batch_size // (cfg.batch_size * world_size)
@@ -302,8 +295,7 @@ def collective_failures_explained(world: World, dist_timeout: float, where):
 
 def _join(world: World, dist_timeout: float):
     """init_process_group, with a message that says what to check when peers never come."""
-    address = (f"{os.environ.get('MASTER_ADDR', '(MASTER_ADDR unset)')}:"
-               f"{os.environ.get('MASTER_PORT', '(MASTER_PORT unset)')}")
+    address = ":".join(os.environ.get(k, f"({k} unset)") for k in ("MASTER_ADDR", "MASTER_PORT"))
     timeout = timedelta(seconds=dist_timeout)
     try:
         store, _, _ = next(dist.rendezvous("env://", world.rank, world.size, timeout=timeout))
