@@ -30,11 +30,8 @@ FORMAT = 1
 
 
 def save(state: dict, out_dir: Path, best: bool):
-    """Write last.pt atomically (temporary file, fsync, rename); make best.pt the same bytes if best.
-
-    The last.pt it replaces stays as previous.pt, so one good checkpoint survives even if
-    last.pt is later damaged (a disk fault, a copy cut short).
-    """
+    """Write last.pt atomically (temporary file, fsync, rename), keeping the one it replaces as
+    previous.pt (a fallback if last.pt is later damaged); best.pt is the same bytes if best."""
     last = out_dir / "last.pt"
     if last.exists():
         link_or_copy(last, out_dir / "previous.pt")
@@ -51,13 +48,9 @@ def save(state: dict, out_dir: Path, best: bool):
 
 @contextmanager
 def locked_out_dir(out_dir, world):
-    """Rank 0's exclusive lock on out_dir for the whole run; yields the problem it found (or None).
-
-    The lock is an fcntl lock on out_dir/run.lock, which the OS drops when the process ends,
-    however it ends, so a dead run never blocks; the file names its holder (host, pid, start
-    time). Readers (sample.py) never lock. Rank 0 takes it before the process group forms and
-    checks that it can write there now, not at the first checkpoint; train.py raises the
-    problem on every rank at the group's first agreement, since only rank 0 sees its out_dir."""
+    """Rank 0's fcntl lock on out_dir/run.lock for the whole run (the OS drops it however the process
+    ends; the file names its holder), taken before the group forms, with a check that out_dir is
+    writable now. Yields the problem found (or None): train.py raises it on every rank."""
     fd, error, out_dir = None, None, Path(out_dir)
     created = world.is_master and not out_dir.exists()
     if world.is_master:

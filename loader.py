@@ -8,9 +8,6 @@ each optimizer step consumes the next global_batch_size positions, so 1 process 
 accumulation steps sees exactly the windows 4 processes with 1 step see. An epoch's tail too
 short for a whole step is dropped (a dataset smaller than one step makes each epoch of several
 passes). Memory: 8 bytes a window for the order; the tokens stay on disk until read.
-
-Dataset, at the end, is the run's data folder: checked before the process group forms, and
-prepared inside it (by each host's local rank 0) when it is missing.
 """
 
 import importlib

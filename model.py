@@ -166,11 +166,8 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def get_num_params(self, non_embedding=True):
-        """Number of parameters, the tied embedding counted once and its padding rows not at all.
-
-        With non_embedding, position embeddings are left out; token embeddings stay in because
-        they are also the weights of the final layer.
-        """
+        """Parameters, the tied embedding counted once and its padding rows not at all; non_embedding
+        leaves out the position embeddings (token embeddings are also the output layer's weights)."""
         n_params = sum(p.numel() for p in self.parameters())  # parameters() yields a tied tensor once
         n_params -= (self.config.padded_vocab_size - self.config.vocab_size) * self.config.n_embd
         if non_embedding:

@@ -9,11 +9,9 @@
     # two hosts: on each, with --node_rank=0 on the first and 1 on the second
     torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=HOST_A --master_port=29500 train.py
 
-Arguments are config files (plain Python) and --name=value overrides (config.py, docs/config.md).
-Ranks come from the launcher's environment (world.py). Only global rank 0 writes into out_dir,
-except the shards of a sharded checkpoint. A mistake ends every rank at once with one message:
-world.setup finds what each rank can alone, before the group forms; what only some can see is
-agreed on first (collectives.py).
+Arguments are config files (plain Python) and --name=value overrides (docs/config.md); ranks come
+from the launcher's environment (world.py). Only rank 0 writes into out_dir (each rank its shards of
+a sharded checkpoint). A mistake ends every rank at once, with one message (docs/guarantees.md).
 """
 
 import math
