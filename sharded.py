@@ -95,9 +95,9 @@ def parts(path: Path):
 def load(path: Path, state: dict, world=None):
     """Fill `state` (tensors, or DTensors holding this rank's shards) from a sharded checkpoint,
     resharded by DCP; every rank of `world` calls it (world=None: this process alone)."""
+    import torch.distributed.checkpoint as dcp  # imported when first used, as in save
     alone = world is None or world.size == 1
     try:
-        import torch.distributed.checkpoint as dcp
         dcp.load(state, storage_reader=_reader(path), process_group=None if alone else world.group, no_dist=alone)
     except BaseException as e:  # DCP's CheckpointException is a BaseException; Ctrl-C goes on
         if not isinstance(e, Exception) and not hasattr(e, "failures"):
