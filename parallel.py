@@ -6,6 +6,7 @@ block's weights are all-gathered around its forward and backward (HSDP: within g
 Both read and write the same checkpoints, so either resumes the other at any world size.
 """
 
+import warnings
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -13,6 +14,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from world import World, available_memory
+
+# A padded vocabulary's logits are a slice, a view, which FSDP warns an in-place op could bypass its
+# backward hook through: nothing here changes logits in place (model.py's forward)
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPT\) returned a view tensor")
+
 
 def is_fsdp(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
