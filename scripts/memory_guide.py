@@ -1,4 +1,4 @@
-"""How much memory each strategy needs per GPU for the GPT-2 sizes: the README's table.
+"""How much memory each strategy needs per GPU for the GPT-2 sizes: the table in docs/fsdp.md.
 
     python scripts/memory_guide.py [--world=1,2,4,8] [--batch_size=8]
 

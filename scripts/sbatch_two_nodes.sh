@@ -3,7 +3,7 @@
 # Prepare the data once, then submit from the repo folder (on a disk every node sees) with the
 # Python environment active (the job inherits it); arguments go to train.py:
 #
-#   python data/shakespeare/prepare.py
+#   python data/fineweb/prepare.py        # configs/gpt_small.py trains on FineWeb-Edu
 #   sbatch scripts/sbatch_two_nodes.sh configs/gpt_small.py --out_dir=out-gpt-small
 #
 #SBATCH --job-name=gpt-train
