@@ -83,3 +83,24 @@ def test_every_config_name_is_documented_in_the_readme():
     readme = (REPO / "README.md").read_text()
     missing = [name for name in Config.__dataclass_fields__ if f"`{name}`" not in readme]
     assert not missing, f"README.md's config table lacks {missing}"
+
+
+def test_readme_is_short_and_every_link_in_the_docs_resolves():
+    import re
+    from conftest import REPO
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250, "README.md grew past 250 lines"
+
+    def anchors(path):  # GitHub's heading ids: lower case, punctuation dropped, spaces to hyphens
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                for h in re.findall(r"^#+ (.*)$", path.read_text(), re.M)}
+
+    broken = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            path = (doc.parent / file).resolve() if file else doc
+            if not path.exists() or (anchor and path.suffix == ".md" and anchor not in anchors(path)):
+                broken.append(f"{doc.name}: {target}")
+    assert not broken, f"links to nothing: {broken}"
