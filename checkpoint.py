@@ -29,11 +29,11 @@ from model import GPT, GPTConfig
 FORMAT = 1
 
 
-def save(state: dict, out_dir: Path, best: bool):
+def save(state: dict, out_dir: Path, best: bool, rotate: bool = True):
     """Write last.pt atomically (temporary file, fsync, rename), keeping the one it replaces as
-    previous.pt (a fallback if last.pt is later damaged); best.pt is the same bytes if best."""
+    previous.pt (a fallback if last.pt is later damaged; not if not rotate); best.pt is the same bytes if best."""
     last = out_dir / "last.pt"
-    if last.exists():
+    if last.exists() and rotate:
         link_or_copy(last, out_dir / "previous.pt")
     try:
         atomic_write(last, lambda f: torch.save(state, f))
@@ -121,7 +121,7 @@ def read(path: Path, tensors: bool = True):
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=not tensors)
     except Exception as e:  # nothing in a bad file may end in a traceback
-        if isinstance(e, EOFError) or "zip archive" in str(e):
+        if isinstance(e, EOFError) or "zip archive" in str(e) or getattr(e, "errno", None) == errno.EINVAL:
             reason = "it is truncated or not a torch checkpoint at all"
         elif str(e).startswith("Weights only load failed"):  # torch's advice to load it unsafely: no
             reason = ("it is damaged, or holds objects that would run code when loaded, which "
@@ -202,10 +202,10 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
         try:
             model = GPT(GPTConfig(**{**ckpt["model_args"], "dropout": 0.0}))
             model.load_state_dict(ckpt["model"])
-        except Exception as e:  # plain data, but not a checkpoint of this repo's GPT
+            return model, ckpt["step"], path
+        except Exception as e:  # plain data, but not a checkpoint of this repo's GPT (nanoGPT's has no step)
             raise UnreadableCheckpoint(f"{path} is not a GPT checkpoint of this repo "
                                        f"({type(e).__name__}: {first_line(e)})") from None
-        return model, ckpt["step"], path
 
     model, step, path = read_first(paths, build)
     from data.dataset import load_meta

@@ -79,6 +79,8 @@ def parts(path: Path):
     try:
         metadata = _reader(path).read_metadata()
         run_state = json.loads((path / "run.json").read_text())
+        if not (isinstance(run_state, dict) and {"param_groups", "rng_shapes"} <= run_state.keys()):
+            raise ValueError("run.json does not hold a run's state")
     except Exception as e:
         raise unreadable(f"its metadata is damaged ({type(e).__name__}: {first_line(e)})") from None
     ends = {}
@@ -141,14 +143,14 @@ def _replace_dir(src: Path, dst: Path):
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def _commit(out_dir: Path, best: bool):
+def _commit(out_dir: Path, best: bool, rotate: bool):
     """Rank 0, once every rank's part and the metadata are written: last.dcp becomes previous.dcp
-    and the new folder last.dcp. A kill at any moment leaves a complete last.dcp or previous.dcp
-    (resume=auto takes the newest complete one); best.dcp is hard links to last.dcp's files."""
+    (unless not rotate) and the new folder last.dcp. A kill at any moment leaves a complete last.dcp or
+    previous.dcp (resume=auto takes the newest complete one); best.dcp is hard links to last.dcp's files."""
     last = out_dir / "last.dcp"
-    if last.exists():
+    if last.exists() and rotate:
         _replace_dir(last, out_dir / "previous.dcp")
-    os.replace(out_dir / TMP, last)
+    _replace_dir(out_dir / TMP, last)  # (a damaged last.dcp, not rotated, is deleted)
     if best:
         tmp = out_dir / ".best.dcp.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -160,14 +162,14 @@ def _commit(out_dir: Path, best: bool):
 class Background:
     """A sharded save that DCP's thread is writing; rank 0 commits it as soon as it completes."""
 
-    def __init__(self, future, out_dir: Path, best: bool, commit: bool, step: int, need: int):
+    def __init__(self, future, out_dir: Path, commit, step: int, need: int):
         self.step, self.error, self.finished = step, None, threading.Event()
 
         def done(f):
             try:
                 f.result()
                 if commit:
-                    _commit(out_dir, best)
+                    commit()
             except BaseException as e:
                 self.error = _reason(e, out_dir, need)
             self.finished.set()
@@ -180,7 +182,7 @@ class Background:
         return self.error
 
 
-def save(tensors: dict, run_state: dict, out_dir: Path, best: bool, world, background=False):
+def save(tensors: dict, run_state: dict, out_dir: Path, best: bool, world, background=False, rotate=True):
     """Every rank writes its shards of `tensors` (rank 0 also run.json, the plain values) into
     out_dir/.last.dcp.tmp; then rank 0 commits it (_commit). background (async_checkpoint): DCP
     copies the tensors now and writes them from a thread over world.save_group (a gloo group of
@@ -203,13 +205,14 @@ def save(tensors: dict, run_state: dict, out_dir: Path, best: bool, world, backg
             world.save_group = torch.distributed.new_group(backend="gloo")
         future = dcp.async_save(tensors, storage_writer=writer, no_dist=alone,
                                 process_group=None if alone else world.save_group)
-        return Background(future, out_dir, best, world.is_master, run_state["step"], tensor_bytes(tensors))
+        return Background(future, out_dir, world.is_master and (lambda: _commit(out_dir, best, rotate)),
+                          run_state["step"], tensor_bytes(tensors))
     try:
         dcp.save(tensors, storage_writer=writer, process_group=world.group, no_dist=alone)
     except dcp.api.CheckpointException as e:
         raise OSError(_reason(e, out_dir, tensor_bytes(tensors))) from None
     if world.is_master:
-        _commit(out_dir, best)
+        _commit(out_dir, best, rotate)
 
 
 def check_shared(folder: Path, world, what: str):
@@ -238,14 +241,15 @@ def check_shared(folder: Path, world, what: str):
             probe.unlink(missing_ok=True)
 
 
-def save_run(raw_model, optimizer, run_state: dict, out_dir: Path, best: bool, world, background=False):
+def save_run(raw_model, optimizer, run_state: dict, out_dir: Path, best: bool, world, background=False,
+             rotate=True):
     """Every rank: a run's sharded checkpoint: this rank's shards of the model and optimizer, every
     rank's RNG states, and run_state with the optimizer's param_groups in run.json (see save)."""
     tensors, param_groups = parallel.sharded_state(raw_model, optimizer)
     tensors["rng"] = gather_rng_states(world)
     state = dict(run_state, param_groups=param_groups,
                  rng_shapes={k: list(v.shape) for k, v in tensors["rng"].items()})
-    return save(tensors, state, out_dir, best, world, background)
+    return save(tensors, state, out_dir, best, world, background, rotate)
 
 
 def load_run(path: Path, raw_model, optimizer, ckpt: dict, world) -> dict:

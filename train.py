@@ -161,14 +161,17 @@ class Run:
             raise Diverged(f"the weights hold NaN or inf at step {self.step}", self.cfg.learning_rate, self.saved)
         self.wait_for_save()  # at most one background save in flight
         out_dir, failure = Path(self.cfg.out_dir), None
+        previous = out_dir / f"previous{'.dcp' if self.cfg.checkpoint_format == 'sharded' else '.pt'}"
+        # resumed from previous (past a damaged last), nothing saved since: that last must not replace it
+        rotate = self.resumed_from != str(previous) or self.saved[0] != previous.name
         try:
             if self.cfg.checkpoint_format == "sharded":  # every rank writes its own part
                 self.pending = sharded.save_run(self.raw_model, self.optimizer, self.state_dict(False), out_dir, best,
-                                                self.world, self.cfg.async_checkpoint)
+                                                self.world, self.cfg.async_checkpoint, rotate)
             else:
                 state = self.state_dict()
                 if self.world.is_master:
-                    checkpoint.save(state, out_dir, best)
+                    checkpoint.save(state, out_dir, best, rotate)
         except (OSError, RuntimeError) as e:  # a full disk surfaces as either
             failure = first_line(e)
         # also the barrier that keeps the other ranks from running ahead of the write

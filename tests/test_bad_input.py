@@ -69,9 +69,12 @@ def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained
     result = train_here(char_data, out, max_iters=10, eval_interval=5, resume="auto")
     printed = capsys.readouterr()
     printed = printed.out + printed.err  # the warning goes to stderr
-    assert f"cannot read checkpoint {last}" in printed and "previous.pt" in printed
+    assert f"cannot read checkpoint {last}: {'it is truncated' if damage == 'truncated' else ''}" in printed
+    assert "trying" in printed and "previous.pt" in printed
     assert "resuming from" in printed and "at step 5" in printed
     assert result["step"] == 10
+    # the damaged last.pt was not kept as previous.pt over the one the run resumed from
+    assert [torch.load(out / f"{k}.pt", weights_only=True)["step"] for k in ("previous", "last")] == [5, 10]
 
 
 @pytest.mark.parametrize("problem, message", [

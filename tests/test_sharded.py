@@ -97,6 +97,8 @@ def damage(kind: str, last: Path):
         (last / ".metadata").write_bytes(pickle.dumps(Exploit()))
     elif kind == "metadata garbage":
         (last / ".metadata").write_bytes(b"not a pickle")
+    elif kind == "run.json of another shape":
+        (last / "run.json").write_text("{}")
 
 
 @pytest.mark.parametrize("kind, message", [
@@ -105,6 +107,7 @@ def damage(kind: str, last: Path):
     ("a part cut short", "__0_0.distcp is cut short"),
     ("metadata that runs code", "it names pathlib.Path.touch"),
     ("metadata garbage", "its metadata is damaged"),
+    ("run.json of another shape", "run.json does not hold a run's state"),
 ])
 def test_a_bad_sharded_checkpoint_is_one_line_and_auto_falls_back_to_previous(
         char_data, sharded, tmp_path, script, kind, message):
@@ -117,9 +120,10 @@ def test_a_bad_sharded_checkpoint_is_one_line_and_auto_falls_back_to_previous(
     assert message in error and "Traceback" not in ran.stderr
     assert {p: p.read_bytes() for p in (out / "last.dcp").iterdir()} == files  # nothing overwritten
     ran = script("train.py", *tiny_args(char_data, out, resume="auto", checkpoint_format="sharded",
-                                        **{**SAME, "max_iters": 16}))
+                                        **SAME))
     assert ran.returncode == 0 and message in ran.stderr and f"resuming from {out / 'previous.dcp'} at step 8" in ran.stdout
-    assert ckpt(out, "last.dcp")["step"] == 16
+    assert ckpt(out, "last.dcp")["step"] == 12
+    assert ckpt(out, "previous.dcp")["step"] == 8  # the damaged last.dcp did not replace it
     assert not Path("/tmp/sharded-exploit-ran").exists()
 
 
