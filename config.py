@@ -140,6 +140,8 @@ def check_type(name: str, value):
             if not (-1e308 < value < 1e308):  # inf, nan, or an int too big for a float
                 raise ConfigError(f"config '{name}' must be a finite number, got {_show(value)}")
             return float(value)
+        if allowed is int and isinstance(value, int) and not -2**63 <= value < 2**63:
+            raise ConfigError(f"config '{name}' must fit in 64 bits, got an integer of {value.bit_length()} bits")
         if allowed in (int, str) and isinstance(value, allowed):
             return value
     raise ConfigError(f"config '{name}' must be {_type_name(typ)}, got {_show(value)} "
@@ -167,7 +169,9 @@ def parse_value(name: str, text: str):
 def load_file(path: str) -> dict:
     """Run a config file in a private namespace and return its public names."""
     try:
-        source = Path(path).read_text()
+        source = Path(path).read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is no syntax error
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     namespace: dict = {}
@@ -200,7 +204,7 @@ def validate(cfg: Config) -> Config:
     for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "global_batch_size",
                  "eval_interval", "eval_iters", "log_interval", "pad_vocab_to"):
         need(getattr(cfg, name) > 0, f"{name} must be positive, got {getattr(cfg, name)}")
-    for name in ("max_iters", "warmup_iters", "weight_decay", "grad_clip", "hellaswag_interval"):
+    for name in ("max_iters", "warmup_iters", "weight_decay", "grad_clip", "hellaswag_interval", "seed"):
         need(getattr(cfg, name) >= 0, f"{name} must be >= 0, got {getattr(cfg, name)}")
     need(cfg.n_embd % cfg.n_head == 0,
          f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
@@ -213,7 +217,8 @@ def validate(cfg: Config) -> Config:
          f"lr_decay_iters must be positive or None, got {cfg.lr_decay_iters}")
     need(0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1,
          f"beta1 and beta2 must be in [0, 1), got {cfg.beta1} and {cfg.beta2}")
-    need(cfg.dist_timeout > 0, f"dist_timeout must be positive seconds, got {cfg.dist_timeout}")
+    need(0 < cfg.dist_timeout <= 1e6, f"dist_timeout must be positive seconds, at most 1e6 (11 days), "
+                                      f"got {cfg.dist_timeout}")
     need(cfg.fsdp_shard_size >= 0, f"fsdp_shard_size must be >= 0 (0 = all ranks), got {cfg.fsdp_shard_size}")
     need(cfg.fsdp_shard_size == 0 or cfg.strategy == "fsdp",
          f"fsdp_shard_size={cfg.fsdp_shard_size} shards the model: it needs --strategy=fsdp")

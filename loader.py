@@ -194,10 +194,14 @@ class Dataset:
         self.meta = read_dataset(cfg) if has_tokens(self.dir) else None
         if self.meta is not None:
             return
+        loose = [name for name in ("train.bin", "val.bin") if (self.dir / name).exists()]
+        if loose and cfg.data_dir:  # nanoGPT's layout (meta.pkl is not read): preparing would overwrite them
+            raise ConfigError(f"{self.dir} holds {' and '.join(loose)} but no meta.json: train.py will not prepare "
+                              f"over them; point --data_dir elsewhere, or delete them if a prepare left them")
         script = REPO / "data" / cfg.dataset / "prepare.py"
-        if not script.exists():
-            raise ConfigError(f"no dataset in {self.dir} (meta.json missing) and no {script} to "
-                              f"prepare it: check --dataset / --data_dir")
+        if not (cfg.dataset.isidentifier() and script.exists()):  # a folder's name: it is imported
+            raise ConfigError(f"no dataset in {self.dir} (meta.json missing), and dataset={cfg.dataset!r} names no "
+                              f"data/NAME/prepare.py to prepare it: check --dataset and --data_dir")
         if not getattr(importlib.import_module(f"data.{cfg.dataset}.prepare"), "PREPARE_IN_TRAIN", True):
             raise ConfigError(f"no dataset in {self.dir}: this corpus is too large to prepare at "
                               f"start-up; run python data/{cfg.dataset}/prepare.py --out_dir {self.dir} "

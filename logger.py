@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from collectives import any_rank, first_error
+from collectives import agree_or_raise, any_rank, first_error
 from data.files import atomic_write_bytes
-from errors import LogNotWritten
+from errors import LogNotWritten, first_line
 
 
 class Logger:
@@ -21,6 +21,7 @@ class Logger:
         self.enabled = enabled
         self.tokens_per_step, self.estimate_mfu = cfg.tokens_per_step, estimate_mfu
         self.bar = self.wandb = self.failure = None  # failure: why metrics.jsonl could not be written
+        self.wandb_failure = None  # why wandb could not start: a config problem, agreed in start()
         self.restart_clock(resumed_step or 0)
         if not enabled:
             return
@@ -44,9 +45,13 @@ class Logger:
             from tqdm import tqdm
             self.bar = tqdm(total=cfg.max_iters, initial=resumed_step or 0, dynamic_ncols=True)
         if cfg.wandb_log:
-            import wandb
-            self.wandb = wandb.init(project=cfg.wandb_project, config=cfg.to_dict(), dir=cfg.out_dir,
-                                    name=cfg.wandb_run_name or Path(cfg.out_dir).name)
+            try:
+                import wandb
+                self.wandb = wandb.init(project=cfg.wandb_project, config=cfg.to_dict(), dir=cfg.out_dir,
+                                        name=cfg.wandb_run_name or Path(cfg.out_dir).name)
+            except Exception as e:  # no API key, no network, not installed
+                self.wandb_failure = (f"wandb could not start ({type(e).__name__}: {first_line(e)}): run `wandb "
+                                      f"login`, or set WANDB_MODE=offline, or use --wandb_log=false")
 
     @classmethod
     def start(cls, run, meta: dict) -> "Logger":
@@ -58,6 +63,7 @@ class Logger:
                   (lambda steps, seconds: raw_model.estimate_mfu(cfg.batch_size * world.accum * steps, seconds,
                                                                  cfg.peak_flops or None))
                   if on_gpu else None)
+        agree_or_raise(log.wandb_failure, world)
         log.write_run_files(cfg, meta, dict(
             torch=torch.__version__, python=sys.version.split()[0], world_size=world.size,
             device=torch.cuda.get_device_name(world.device) if on_gpu else world.device.type,

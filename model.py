@@ -273,7 +273,8 @@ def _sample(logits, temperature, top_k, generator):
     """Next token (B, 1) from last-position logits (B, V)."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # <= 0: a tiny temperature cannot overflow
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))  # (B, k), sorted
         logits[logits < v[:, [-1]]] = -float('inf')

@@ -19,6 +19,7 @@ model) samples from those weights with GPT-2's tokenizer, no training run needed
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -73,7 +74,8 @@ def batches(num_samples: int, length: int, config, device) -> list:
 def check(args):
     for name, ok, rule in (("max_new_tokens", args.max_new_tokens > 0, "positive"),
                            ("num_samples", args.num_samples > 0, "positive"),
-                           ("temperature", args.temperature >= 0, ">= 0 (0 = greedy)"),  # also refuses nan
+                           ("temperature", 0 <= args.temperature < math.inf, ">= 0 and finite (0 = greedy)"),
+                           ("seed", -2**63 <= args.seed < 2**64, "a 64-bit integer"),
                            ("top_k", args.top_k >= 0, ">= 0 (0 = no top-k filtering)")):
         if not ok:
             raise ConfigError(f"--{name} must be {rule}, got {getattr(args, name)}")

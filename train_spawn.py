@@ -42,7 +42,7 @@ def main(argv=None):
     with reported(debug="--debug" in args):
         if nproc_args:
             text = nproc_args[-1].split("=", 1)[1]
-            if not text.isdigit() or int(text) < 1:
+            if not (text.isascii() and text.isdigit()) or int(text) < 1:
                 raise ConfigError(f"--nproc must be a positive integer, got '{text}'")
             nproc = int(text)
         # a bad config or device fails here once, not in N children

@@ -71,27 +71,29 @@ def slurm_tasks_per_node(counts: str) -> list[int]:
 
 def find_world() -> World:
     """Read ranks from torchrun or manual variables, else from SLURM, else one process."""
-    env = os.environ
+    env, world = os.environ, World()
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
              "SLURM_LOCALID", "SLURM_NODEID")
-    bad = {k: env[k] for k in names if k in env and not env[k].isdigit()}
+    bad = {k: env[k] for k in names if k in env and not (env[k].isascii() and env[k].isdigit())}
     if bad:
         raise ConfigError(f"rank variables must be whole numbers, got {bad}: check the launch command")
     if "RANK" in env and "WORLD_SIZE" in env:
         size = int(env["WORLD_SIZE"])
-        return World(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), size,
-                     int(env.get("LOCAL_WORLD_SIZE", size)))
+        world = World(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), size, int(env.get("LOCAL_WORLD_SIZE", size)))
     # Only inside a step that srun launched: an sbatch script itself also sees SLURM_PROCID=0
     # and SLURM_NTASKS=N, but no peer would ever join it.
-    if "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    elif "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         # rank 0 runs on the step's first node, which need not be the job's first
         nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         env.setdefault("MASTER_ADDR", slurm_first_host(nodes))
         env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
         per_node = slurm_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", env["SLURM_NTASKS"]))
-        return World(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)),
-                     int(env["SLURM_NTASKS"]), per_node[int(env.get("SLURM_NODEID", 0))])
-    return World()
+        world = World(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)),
+                      int(env["SLURM_NTASKS"]), per_node[int(env.get("SLURM_NODEID", 0))])
+    if not (world.rank < world.size and world.local_rank < world.local_size):  # else peers never come
+        raise ConfigError(f"rank {world.rank} (local rank {world.local_rank}) cannot be in a world of {world.size} "
+                          f"processes ({world.local_size} on this host): check the launch command")
+    return world
 
 
 def strip_local_rank(argv: list[str]) -> list[str]:
@@ -103,7 +105,7 @@ def strip_local_rank(argv: list[str]) -> list[str]:
             rest.append(arg)
             continue
         value = value if eq else next(args, "")
-        if not value.isdigit():
+        if not (value.isascii() and value.isdigit()):
             raise ConfigError(f"{name} needs a number, e.g. {name}=0, got {value!r}")
         os.environ.setdefault("LOCAL_RANK", value)
     return rest

@@ -206,6 +206,8 @@ def load_meta(data_dir) -> dict:
                     ("tokenizer", lambda v: v in ("char", "gpt2"))):
         if not ok(meta.get(key)):
             raise ValueError(f"{path}: {key} is {meta.get(key)!r}, which is missing or invalid: {again}")
+    if meta["tokenizer"] == "char" and not isinstance(meta.get("chars", ""), str):
+        raise ValueError(f"{path}: chars is {meta['chars']!r}, not the vocabulary's characters: {again}")
     if meta["tokenizer"] == "char" and len(meta.get("chars", "")) != meta["vocab_size"]:
         raise ValueError(f"{path}: a char vocabulary of {len(meta.get('chars', ''))} characters, but "
                          f"vocab_size {meta['vocab_size']}: {again}")

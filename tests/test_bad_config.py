@@ -95,6 +95,11 @@ def config_file_with_a_syntax_error(data):
     return [str(path)]
 
 
+def write_bytes(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
 def cuda_without_bfloat16(data, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
@@ -130,6 +135,14 @@ CASES = [
     ("negative learning rate", ["--learning_rate=-1e-3"], None,
      r"learning_rate must be a positive number, got -0\.001"),
     ("infinite number", ["--learning_rate=1e999"], None, r"'learning_rate' must be a finite number, got inf"),
+    ("negative seed", ["--seed=-1"], None, r"seed must be >= 0, got -1"),
+    ("integer past 64 bits", ["--seed=99999999999999999999999"], None,
+     r"config 'seed' must fit in 64 bits, got an integer of 77 bits"),
+    ("timeout past 1e6 s", ["--dist_timeout=1e10"], None, r"dist_timeout must be positive seconds, at most 1e6"),
+    ("config file not UTF-8", lambda d: [str(write_bytes(d.parent / "latin1.py", b"n_layer = 1\n# caf\xe9\n"))],
+     None, r"config file .*latin1\.py is not UTF-8 text \(invalid continuation byte at byte 17\)"),
+    ("config file of a huge integer", lambda d: [str(write_bytes(d.parent / "big.py", b"seed = 10**10000\n"))],
+     None, r"config 'seed' must fit in 64 bits, got an integer of 33220 bits"),
     ("global batch vs micro-batch", ["--global_batch_size=10", "--batch_size=3"], None,
      r"global_batch_size \(10\) must be divisible by batch_size \(3\) x world size \(2\) = 6: "
      r"try --global_batch_size=12"),
@@ -154,13 +167,19 @@ CASES = [
     ("nccl on CPU", ["--backend=nccl"], None, r"backend 'nccl' is not available|nccl needs CUDA"),
     # data
     ("no data and no prepare script", ["--dataset=nosuch"], lambda d, m: shutil.rmtree(d),
-     r"no dataset in .*data \(meta\.json missing\) and no .*data/nosuch/prepare\.py to prepare it"),
+     r"no dataset in .*data \(meta\.json missing\), and dataset='nosuch' names no data/NAME/prepare\.py"),
+    ("dataset given as a path", ["--dataset=shakespeare_char/"], lambda d, m: shutil.rmtree(d),
+     r"dataset='shakespeare_char/' names no data/NAME/prepare\.py to prepare it"),
+    ("nanoGPT's data folder", [], lambda d, m: (d / "meta.json").unlink(),
+     r"data holds train\.bin and val\.bin but no meta\.json: train\.py will not prepare over them"),
     ("prepare_input missing", ["--prepare_input=no/such/corpus.txt"], lambda d, m: shutil.rmtree(d),
      r"prepare_input no/such/corpus\.txt does not exist: the dataset in .*data is missing"),
     ("meta.json not JSON", [], lambda d, m: (d / "meta.json").write_text("{\"vocab_size\": "),
      r"meta\.json is not valid JSON .*: prepare the dataset again"),
     ("meta.json without vocab_size", [], lambda d, m: rewrite_meta(d, vocab_size=None),
      r"meta\.json: vocab_size is None, which is missing or invalid"),
+    ("meta.json chars not text", [], lambda d, m: rewrite_meta(d, chars=123),
+     r"meta\.json: chars is 123, not the vocabulary's characters"),
     ("meta.json chars disagree", [], lambda d, m: rewrite_meta(d, chars="abc"),
      r"meta\.json: a char vocabulary of 3 characters, but vocab_size"),
     ("bin not whole tokens", [], lambda d, m: append_bytes(d, "train", b"\0"),
@@ -336,6 +355,18 @@ def test_an_out_dir_in_use_or_that_cannot_be_written_is_one_line(char_data, tmp_
     assert proc.stderr.count("\n") == 1 and taken.read_text() == "not a folder"
 
 
+def test_wandb_that_cannot_start_is_one_line(char_data, tmp_path, script, monkeypatch):
+    import wandb
+
+    def no_key(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log to W&B.")
+    monkeypatch.setattr(wandb, "init", no_key)
+    proc = script("train.py", *tiny_args(char_data, tmp_path / "out", wandb_log=True, max_iters=2))
+    assert proc.returncode == 2 and proc.stderr == (
+        "error: wandb could not start (UsageError: No API key configured. Use `wandb login` to log to W&B.): "
+        "run `wandb login`, or set WANDB_MODE=offline, or use --wandb_log=false\n"), proc.stderr
+
+
 def test_help_lists_every_config_name_with_its_default(capsys):
     train.cli(["--help"])
     printed = capsys.readouterr().out
@@ -344,9 +375,15 @@ def test_help_lists_every_config_name_with_its_default(capsys):
         assert f"--{name}={value if isinstance(value, str) else repr(value)}\n" in printed
 
 
-def test_rank_variables_that_are_not_numbers_are_a_clear_error(char_data, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("RANK", "$SLURM_PROCID")  # an unexpanded variable in a hand-written script
-    monkeypatch.setenv("WORLD_SIZE", "2")
+@pytest.mark.parametrize("rank, size, message", [
+    ("$SLURM_PROCID", "2", "rank variables must be whole numbers, got {'RANK': '$SLURM_PROCID'}"),  # unexpanded
+    ("0", "\u00b9", "rank variables must be whole numbers, got {'WORLD_SIZE': '\u00b9'}"),  # isdigit, not int
+    ("0", "0", "rank 0 (local rank 0) cannot be in a world of 0 processes (0 on this host)"),
+    ("2", "2", "rank 2 (local rank 0) cannot be in a world of 2 processes (2 on this host)"),  # would wait
+])
+def test_rank_variables_that_cannot_be_are_a_clear_error(char_data, tmp_path, monkeypatch, capsys, rank, size,
+                                                         message):
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", size)
     code, err = run_cli(tiny_args(char_data, tmp_path / "out"), monkeypatch, capsys)
-    assert code == 2 and err == ("error: rank variables must be whole numbers, got "
-                                 "{'RANK': '$SLURM_PROCID'}: check the launch command\n")
+    assert code == 2 and err == f"error: {message}: check the launch command\n", err

@@ -36,6 +36,8 @@ def test_prompt_from_a_file_and_greedy_decoding(trained, tmp_path, sample):
     assert a.stdout == b.stdout  # greedy ignores the seed
     first, second = a.stdout.split(SEPARATOR + "\n")[:2]
     assert first == second and first.startswith("a fool ")
+    args[-1] = "--temperature=1e-40"  # so small that logits / temperature would overflow to inf
+    assert sample(*args, "--seed=1").stdout == a.stdout  # the limit of sampling is greedy
 
 
 def test_top_k_larger_than_the_vocabulary_is_clamped_to_no_filtering(trained, sample):
@@ -58,8 +60,10 @@ def write(path, data: bytes):
     (["--max_new_tokens=-5"], "--max_new_tokens must be positive, got -5"),
     (["--num_samples=0"], "--num_samples must be positive, got 0"),
     (["--start=the king{}é"], "characters not in the vocabulary: '{', '}', 'é'"),
-    (["--temperature=-1"], "--temperature must be >= 0 (0 = greedy), got -1.0"),
+    (["--temperature=-1"], "--temperature must be >= 0 and finite (0 = greedy), got -1.0"),
     (["--temperature=nan"], "--temperature must be >= 0"),
+    (["--temperature=inf"], "--temperature must be >= 0 and finite"),
+    (["--seed=99999999999999999999999"], "--seed must be a 64-bit integer"),
     (["--top_k=-3"], "--top_k must be >= 0 (0 = no top-k filtering), got -3"),
     (["--device=tpu"], "device 'tpu' is not one this trainer runs on"),
     (["--start=FILE:/nonexistent/prompt.txt"], "prompt file /nonexistent/prompt.txt does not exist"),
@@ -84,6 +88,8 @@ def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, m
      "last.pt: it is truncated or not a torch checkpoint at all"),
     (lambda out: torch.save({"model": 1}, out / "best.pt") or (out / "last.pt").unlink(),
      "best.pt is not a GPT checkpoint of this repo (KeyError"),
+    (lambda out: torch.save({k: v for k, v in torch.load(out / "last.pt").items() if k != "step"}, out / "best.pt")
+     or (out / "last.pt").unlink(), "best.pt is not a GPT checkpoint of this repo (KeyError: 'step')"),  # nanoGPT's
 ])
 def test_a_broken_out_dir_is_a_clear_error(trained_copy, tmp_path, sample, damage, message):
     out = trained_copy
