@@ -285,8 +285,8 @@ def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[s
                 run.hellaswag_step = run.step
                 log.hellaswag(run.step, score)
             if (run.step % cfg.eval_interval == 0 or at_end) and not (run.step == start_step and run.resumed_from):
-                eval_and_save(run, log, at_end, start_step)
-            if at_end:
+                eval_and_save(run, log, at_end or stopped > 0, start_step)  # a stop's step is always saved
+            if at_end or stopped:
                 break
 
             step_loss, grad_norm = optimizer_step(run)  # micro-steps, clip, step
@@ -310,14 +310,16 @@ def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[s
                 if at_log:
                     log.train_step(run.step, loss, lr, grad_norm)
                 if signum and run.step < cfg.max_iters:  # the last step still evaluates and saves
-                    run.save(best=False)
-                    run.wait_for_save()
                     stopped = signum
-                    log.say(f"stopped by {signal.Signals(stopped).name} at step {run.step}; {cfg.out_dir}/"
-                            f"{run.saved[0]} holds it: relaunch with resume=auto to continue")
+                    if run.step % cfg.eval_interval == 0:
+                        continue  # evaluated at the loop's top, then saved, as an uninterrupted run would
+                    run.save(best=False)
                     break
             log.advance(run.step)
         run.wait_for_save()
+        if stopped:
+            log.say(f"stopped by {signal.Signals(stopped).name} at step {run.step}; {cfg.out_dir}/"
+                    f"{run.saved[0]} holds it: relaunch with resume=auto to continue")
     log.check(world, run.saved)  # the last lines were written after the last log step's check
     log.close()
     return {"step": run.step, "val_loss": run.val_loss, "best_val_loss": run.best_val_loss, "stopped": stopped}

@@ -208,23 +208,28 @@ def test_training_evaluates_on_schedule_and_a_resume_neither_repeats_nor_skips(
     assert [r["step"] for r in rows] == [0, 2, 4, 6, 8] and all(r["hellaswag_examples"] == 10 for r in rows)
     assert torch.load(straight / "last.pt", weights_only=True)["hellaswag_step"] == 8
 
-    # The same run in three legs. The first ends at step 4, evaluated there and saved after:
-    # the second must not evaluate step 4 again.
+    # The same run in three legs, stopped by SIGTERM during steps 4 and 6. Step 4 is an eval
+    # step: the first leg evaluates both there before it saves and stops, and the second must
+    # not evaluate it again. Step 6 is HellaSwag's only: the second saves it unevaluated, and
+    # the third must then evaluate it.
     legs, step = tmp_path / "legs", train.optimizer_step
-    train.main(resolve(bpe_args(bpe_data, small_file, legs, max_iters=4)))
 
-    # The second gets SIGTERM during step 6: it saves step 6 before its HellaSwag eval, which
-    # the third must then run.
     def optimizer_step(run, sync=True):
-        if run.step == 5:
+        if run.step in (3, 5):
             os.kill(os.getpid(), signal.SIGTERM)
         return step(run, sync)
     monkeypatch.setattr(train, "optimizer_step", optimizer_step)
-    assert train.main(resolve(bpe_args(bpe_data, small_file, legs, resume="auto")))["stopped"] == signal.SIGTERM
-    assert [r["step"] for r in hellaswag_rows(legs)] == [0, 2, 4]
+    for stop, evaluated in ((4, [0, 2, 4]), (6, [0, 2, 4])):
+        result = train.main(resolve(bpe_args(bpe_data, small_file, legs, resume="auto")))
+        assert (result["stopped"], result["step"]) == (signal.SIGTERM, stop)
+        assert [r["step"] for r in hellaswag_rows(legs)] == evaluated
     monkeypatch.setattr(train, "optimizer_step", step)
     train.main(resolve(bpe_args(bpe_data, small_file, legs, resume="auto")))
     assert hellaswag_rows(legs) == rows  # each step once, with the uninterrupted run's numbers
+    evals = [(r["step"], r["val_loss"]) for r in metrics(legs) if "val_loss" in r]
+    assert evals == [(r["step"], r["val_loss"]) for r in metrics(straight) if "val_loss" in r]
+    assert torch.load(legs / "best.pt", weights_only=True)["step"] == \
+        torch.load(straight / "best.pt", weights_only=True)["step"]
 
 
 def test_eval_py_scores_a_checkpoint_with_its_dataset_loss(straight, bpe_data, small_file, capsys):
