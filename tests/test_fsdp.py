@@ -111,6 +111,15 @@ def test_fsdp_resume_is_exact_and_crosses_strategies_world_sizes_and_formats(cha
 
 
 @pytest.mark.slow
+def test_a_float16_fsdp_checkpoint_resumes_under_ddp(char_data, tmp_path):
+    # FSDP's float16 AdamW is unfused (see build_run), and its saved param_groups say so: the
+    # fused DDP run that resumes it must keep its kernel, or its scaler's step hits the unfused one
+    run_world(2, args_for(char_data, tmp_path, strategy="fsdp", dtype="float16", max_iters=2), tmp_path / "results")
+    assert train.main(resolve(args_for(char_data, tmp_path, dtype="float16", resume="auto")))["step"] == STEPS
+    assert all(g["fused"] for g in ckpt(tmp_path)["optimizer"]["param_groups"])
+
+
+@pytest.mark.slow
 def test_sample_reads_an_fsdp_checkpoint(fsdp_whole, script):
     proc = script("sample.py", f"--out_dir={fsdp_whole}", "--num_samples=1", "--max_new_tokens=20", "--device=cpu")
     assert proc.returncode == 0, proc.stderr
