@@ -22,7 +22,7 @@ import torch
 
 from config import Config
 import sharded
-from data.files import atomic_write, disk_full, link_or_copy, remove_stale_temporaries, tensor_bytes
+from data.files import disk_full, fsync_dir, link_or_copy, remove_stale_temporaries, tensor_bytes, write_temp
 from errors import ConfigError, OutDirBusy, OutDirUnwritable, UnreadableCheckpoint, first_line
 from model import GPT, GPTConfig
 
@@ -36,14 +36,16 @@ def save(state: dict, out_dir: Path, best: bool, rotate: bool = True):
     if last.exists() and rotate:
         link_or_copy(last, out_dir / "previous.pt")
     try:
-        atomic_write(last, lambda f: torch.save(state, f))
+        tmp = write_temp(last, lambda f: torch.save(state, f))
     except RuntimeError as e:
         full = disk_full(e, out_dir, tensor_bytes(state))
         if full is None:
             raise
         raise OSError(errno.ENOSPC, full) from None
-    if best:
-        link_or_copy(last, out_dir / "best.pt")
+    if best:  # before last.pt: killed in between, the resume redoes this step (best_val_loss is last.pt's)
+        link_or_copy(tmp, out_dir / "best.pt")
+    os.replace(tmp, last)
+    fsync_dir(out_dir)
 
 
 @contextmanager

@@ -146,16 +146,17 @@ def _replace_dir(src: Path, dst: Path):
 def _commit(out_dir: Path, best: bool, rotate: bool):
     """Rank 0, once every rank's part and the metadata are written: last.dcp becomes previous.dcp
     (unless not rotate) and the new folder last.dcp. A kill at any moment leaves a complete last.dcp or
-    previous.dcp (resume=auto takes the newest complete one); best.dcp is hard links to last.dcp's files."""
+    previous.dcp (resume=auto takes the newest complete one); best.dcp is hard links to last.dcp's files,
+    made first: killed before last.dcp is committed, the resume redoes the step and best is not lost."""
     last = out_dir / "last.dcp"
-    if last.exists() and rotate:
-        _replace_dir(last, out_dir / "previous.dcp")
-    _replace_dir(out_dir / TMP, last)  # (a damaged last.dcp, not rotated, is deleted)
     if best:
         tmp = out_dir / ".best.dcp.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(last, tmp, copy_function=lambda s, d: link_or_copy(Path(s), Path(d)))
+        shutil.copytree(out_dir / TMP, tmp, copy_function=lambda s, d: link_or_copy(Path(s), Path(d)))
         _replace_dir(tmp, out_dir / "best.dcp")
+    if last.exists() and rotate:
+        _replace_dir(last, out_dir / "previous.dcp")
+    _replace_dir(out_dir / TMP, last)  # (a damaged last.dcp, not rotated, is deleted)
     fsync_dir(out_dir)
 
 

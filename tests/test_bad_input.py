@@ -13,6 +13,7 @@ import torch
 import checkpoint
 import train
 from config import resolve
+from data.files import link_or_copy
 from errors import ConfigError, RunError
 from harness import tiny_args, train_here
 from model import GPT
@@ -143,6 +144,33 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temporar
         train_here(data_dir_of(out), out, max_iters=12, eval_interval=12, resume="auto")
     assert (out / "last.pt").read_bytes() == before
     assert not list(out.glob(".*.tmp"))
+
+
+class Killed(BaseException):
+    pass
+
+
+def test_a_kill_while_best_is_written_leaves_last_one_save_behind(trained_copy, monkeypatch):
+    """best is written before last is committed, both formats: killed in between, the resume
+    redoes the step and writes best again (after last, best_val_loss would already count it)."""
+    import sharded
+
+    def killed(src, dst):
+        raise Killed(dst)
+    out = trained_copy
+    before = (out / "last.pt").read_bytes()
+    monkeypatch.setattr(checkpoint, "link_or_copy", lambda src, dst: killed(src, dst) if dst.name == "best.pt"
+                        else link_or_copy(src, dst))
+    with pytest.raises(Killed):
+        checkpoint.save({"step": 11}, out, best=True)
+    assert (out / "last.pt").read_bytes() == before
+    for folder, step in (("last.dcp", 10), (sharded.TMP, 11)):  # as a sharded save leaves them to commit
+        (out / folder).mkdir()
+        (out / folder / "run.json").write_text(json.dumps({"step": step}))
+    monkeypatch.setattr(sharded, "link_or_copy", killed)
+    with pytest.raises(Killed):
+        sharded._commit(out, best=True, rotate=True)
+    assert json.loads((out / "last.dcp" / "run.json").read_text()) == {"step": 10}
 
 
 @pytest.mark.slow  # mount and umount are processes
