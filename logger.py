@@ -31,8 +31,8 @@ class Logger:
             kept, torn = [], 0
             for line in self.metrics.read_text(errors="replace").splitlines():
                 try:
-                    step = json.loads(line)["step"]
-                except (ValueError, TypeError, KeyError):  # a line cut short by a full disk or a kill
+                    step = int(json.loads(line)["step"])
+                except (ValueError, TypeError, KeyError):  # a line cut short by a full disk or a kill, or edited
                     torn += 1
                     continue
                 if resumed_step is not None and step <= resumed_step:

@@ -96,6 +96,12 @@ def test_a_log_or_checkpoint_cut_at_any_byte_never_blocks_a_resume(char_data, tm
                 assert "warning: dropped 1 unreadable line" in printed
             records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             assert records[-1]["step"] == 12
+    # lines that parse but hold no step (an edited file) are dropped the same way
+    out = shutil.copytree(trained, tmp_path / "edited")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": null}\n{"step": "x"}\n[]\n')
+    code, printed, err = train_cli(capsys, char_data, out, max_iters=12, eval_interval=5)
+    assert code == 0 and "warning: dropped 3 unreadable lines" in printed, err
 
 
 @pytest.mark.slow
