@@ -146,6 +146,8 @@ def check_tokenizer(meta: dict, what: str):
 
 def load(path: str, block_size: int, limit: int = 0) -> list:
     """The examples of the validation file (`path`, or the cached or downloaded copy), rendered."""
+    if block_size < 2:  # one context token and one ending token, or no ending is scored at all
+        raise ConfigError(f"HellaSwag needs a block_size of at least 2, not {block_size}")
     from data.tokenizers import gpt2_encoding
     enc = gpt2_encoding(verbose=False)
     return [render(*example, enc.encode_ordinary, block_size) for example in read_examples(locate(path), limit)]
