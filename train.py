@@ -64,13 +64,11 @@ def accumulate_gradients(model, raw_model, loader, accum: int, autocast, scaler,
     step_loss = 0.0
     for micro in range(accum):
         x, y = loader.next_batch()
-        # Gradients are communicated on the last micro-step only (DDP's no_sync, FSDP2's
-        # set_requires_gradient_sync); they add up locally on the others.
+        # gradients are communicated on the last micro-step only (DDP's no_sync, FSDP2's set_requires_gradient_sync)
         with parallel.skip_gradient_sync(model, raw_model, skip=not (sync and micro == accum - 1)):
             with autocast:
                 _, loss = model(x, y)
-            # Each loss is a mean over one micro-batch; dividing by the number of
-            # micro-steps makes the summed gradient the mean over the global batch.
+            # each loss is one micro-batch's mean: / accum makes the summed gradient the global batch's mean
             scaler.scale(loss / accum).backward()
         step_loss += loss.detach() / accum
     return step_loss
@@ -193,8 +191,7 @@ class Run:
             self.saved = ("last.dcp", pending.step)
 
     def close(self):
-        """At the end, failed or not, a background save finishes (and may commit) first: a process
-        that ended mid-write would leave its part unwritten."""
+        """At the end, failed or not, a background save finishes (and may commit): else its part is unwritten."""
         if self.pending is not None:
             self.pending.failure(wait=True)
 
@@ -314,10 +311,9 @@ def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[s
                     log.train_step(run.step, loss, lr, grad_norm)
                 if signum and run.step < cfg.max_iters:  # the last step still evaluates and saves
                     stopped = signum
-                    if run.step % cfg.eval_interval == 0:
-                        continue  # evaluated at the loop's top, then saved, as an uninterrupted run would
-                    run.save(best=False)
-                    break
+                    if run.step % cfg.eval_interval:  # (an eval step is evaluated at the loop's top, then saved)
+                        run.save(best=False)
+                        break
             log.advance(run.step)
         run.wait_for_save()
         if stopped:
