@@ -97,6 +97,7 @@ class Config:
 
 
 FIELD_TYPES = typing.get_type_hints(Config)
+PER_HOST = ("out_dir", "data_dir", "prepare_input", "hellaswag_path", "device")  # may differ between ranks
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import checkpoint
 import pretrained
-from collectives import agree_or_raise
+from collectives import agree_or_raise, differs_from_rank0
 from config import Config
 from errors import ConfigError, reported
 from evals import hellaswag
@@ -86,7 +86,9 @@ def main(argv=None):
             examples = hellaswag.load(args.hellaswag, model.config.block_size, args.limit)
         except ConfigError as e:
             error = str(e)
-        agree_or_raise(error, world)
+        # a rank started with another --limit (say) would score other examples: every rank stops
+        per_host = ("out_dir", "init_from", "hellaswag", "data_dir", "device", "dist_timeout")
+        agree_or_raise(differs_from_rank0(vars(args), world, per_host) or error, world)
         if val is not None:
             loss = val_loss(model, *val, model.config.block_size, args.batch_size, world, autocast(world), False)
         score, _ = hellaswag.evaluate(model, examples, world, autocast(world), args.batch_size,

@@ -29,9 +29,9 @@ import checkpoint
 import parallel
 import pretrained
 import sharded
-from collectives import (AGREE_EVERY, agree_or_raise, any_rank, first_error, gather_rng_states, log_step, on_rank0,
-                         restore_rng_states)
-from config import Config, resolve
+from collectives import (AGREE_EVERY, agree_or_raise, any_rank, differs_from_rank0, first_error, gather_rng_states,
+                         log_step, on_rank0, restore_rng_states)
+from config import PER_HOST, Config, resolve
 from errors import CheckpointNotWritten, ConfigError, Diverged, LogNotWritten, first_line, reported
 from evals import hellaswag
 from evals.loss import val_loss
@@ -107,8 +107,7 @@ class Run:
     hellaswag: Optional[list] # HellaSwag's examples, rendered (None when hellaswag_interval is 0)
     model_args: dict
     autocast: object          # torch.autocast for bfloat16/float16, a null context for float32
-    # loop state
-    step: int = 0
+    step: int = 0  # loop state from here on
     best_val_loss: float = math.inf
     val_loss: Optional[float] = None
     resumed_from: Optional[str] = None
@@ -263,7 +262,8 @@ def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
 
 
 def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[str]) -> dict:
-    agree_or_raise(out_dir_error, world)  # rank 0 cannot use out_dir (busy, unwritable): every rank stops
+    # rank 0 cannot use out_dir (busy, unwritable), or a rank's config is not rank 0's: every rank stops
+    agree_or_raise(differs_from_rank0(cfg.to_dict(), world, PER_HOST) or out_dir_error, world)
     if cfg.checkpoint_format == "sharded":
         sharded.check_shared(Path(cfg.out_dir), world, "to write sharded checkpoints")
     meta = dataset.ready(world)

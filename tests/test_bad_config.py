@@ -277,7 +277,7 @@ def test_train_spawn_exits_2_and_debug_shows_the_traceback(char_data, tmp_path, 
     assert nothing_written(tmp_path / "out")
 
 
-def _train_rank_recording_config_errors(rank, world_size, args, result_dir, damage_on_rank1=True):
+def _train_rank_recording_config_errors(rank, world_size, args, result_dir, damage_on_rank1=True, rank1_args=()):
     import loader
     import train
     from config import resolve
@@ -287,7 +287,7 @@ def _train_rank_recording_config_errors(rank, world_size, args, result_dir, dama
             raise ValueError(f"{data_dir}/train.bin is damaged on rank 1's host")
         loader.check_token_files = damaged
     try:
-        train.main(resolve(args))
+        train.main(resolve([*args, *(rank1_args if rank == 1 else ())]))
         message = "trained"
     except ConfigError as e:
         message = str(e)
@@ -338,6 +338,18 @@ def test_an_out_dir_rank_0_cannot_write_stops_every_rank_before_training(char_da
     assert (tmp_path / "rank0.txt").read_text().startswith(f"out_dir {taken} cannot be written (")
     assert (tmp_path / "rank1.txt").read_text() == (tmp_path / "rank0.txt").read_text()  # rank 0's own words
     assert taken.read_text() == "not a folder"
+
+
+@pytest.mark.slow
+def test_ranks_started_with_different_configs_all_stop_before_training(char_data, tmp_path):
+    # each would train on alone (another learning rate), or fail in a collective that does not match
+    rank1 = [f"--data_dir={char_data}/.", "--learning_rate=0.03", "--n_layer=3"]  # paths may differ
+    run_ranks(_train_rank_recording_config_errors, 2, tiny_args(char_data, tmp_path / "out", dist_timeout=60),
+              tmp_path, False, rank1)
+    line = ("rank 1 was started with n_layer=3 (rank 0: 2), learning_rate=0.03 (rank 0: 0.003): "
+            "give every rank the same config")
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [line, line]
+    assert nothing_written(tmp_path / "out")
 
 
 def test_an_out_dir_in_use_or_that_cannot_be_written_is_one_line(char_data, tmp_path, script):

@@ -291,6 +291,23 @@ def test_eval_py_under_torchrun_prints_the_one_process_line(hf_folder, hs_file):
     assert "2 processes" in shared.stdout
 
 
+def _eval_rank(rank, world_size, args, out):
+    import eval as eval_py
+    try:
+        eval_py.main([*args, f"--limit={5 + 5 * rank}"])
+        message = "scored"
+    except ConfigError as e:
+        message = str(e)
+    (out / f"rank{rank}.txt").write_text(message)
+
+
+@pytest.mark.slow
+def test_eval_py_ranks_started_with_different_arguments_all_stop(hf_folder, hs_file, tmp_path):
+    run_ranks(_eval_rank, 2, [f"--init_from={hf_folder}", f"--hellaswag={hs_file}", "--device=cpu"], tmp_path)
+    line = "rank 1 was started with limit=10 (rank 0: 5): give every rank the same config"
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [line, line]
+
+
 @pytest.mark.slow
 def test_hellaswag_in_training_under_fsdp(straight, bpe_data, small_file, tmp_path):
     from harness import run_world
