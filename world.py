@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -298,19 +299,35 @@ def collective_failures_explained(world: World, dist_timeout: float, where):
 # -----------------------------------------------------------------------------
 # the process group
 
+def _give_up(error: Exception):
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 def _join(world: World, dist_timeout: float):
     """init_process_group, with a message that says what to check when peers never come."""
     address = ":".join(os.environ.get(k, f"({k} unset)") for k in ("MASTER_ADDR", "MASTER_PORT"))
     timeout = timedelta(seconds=dist_timeout)
+    # The store's handshake has no timeout: a program that accepts on MASTER_PORT and never
+    # answers (not a torch store) would hold this rank forever. Both waits below take at most
+    # dist_timeout each, so past twice that nothing will come.
+    silent = TimeoutError(f"nothing answered at {address}: is another program listening on MASTER_PORT?")
+    watchdog = threading.Timer(2 * dist_timeout + 2, _give_up,
+                               (GroupNotFormed(world.rank, world.size, address, dist_timeout, silent),))
+    watchdog.daemon = True
+    watchdog.start()
     try:
+        socket.getaddrinfo(os.environ.get("MASTER_ADDR") or "localhost", None)  # fails in 2 x dist_timeout else
         store, _, _ = next(dist.rendezvous("env://", world.rank, world.size, timeout=timeout))
         # torchrun restarts a failed group against the same store, where a dead peer's address
         # lingers for a new rank to read: a prefix per attempt keeps each attempt's keys apart.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(world.backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
                                 rank=world.rank, world_size=world.size, timeout=timeout)
-    except (RuntimeError, ValueError) as e:  # torch's DistError family is RuntimeError
+    except (RuntimeError, ValueError, socket.gaierror) as e:  # torch's DistError family is RuntimeError
         raise GroupNotFormed(world.rank, world.size, address, dist_timeout, e) from None
+    finally:
+        watchdog.cancel()
     # Small CPU messages (stop flags, RNG states, checkpoint bytes) go through gloo, also under NCCL.
     world.group = dist.new_group(backend="gloo") if world.backend != "gloo" else None
 

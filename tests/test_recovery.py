@@ -5,6 +5,7 @@ SIGINT from Ctrl-C) and the strategy (DDP, FSDP); each compares with one uninter
 its strategy. Single-process signals and kill -9 are in tests/test_faults.py."""
 
 import signal
+import socket
 import subprocess
 import time
 
@@ -80,6 +81,18 @@ def test_a_missing_peer_fails_within_dist_timeout_with_advice(char_data, tmp_pat
     assert proc.returncode == 1 and time.time() - started < 30
     assert "could not form the process group of 2 ranks at 127.0.0.1:" in proc.stderr
     assert "GLOO_SOCKET_IFNAME" in proc.stderr and "Traceback" not in proc.stderr
+    # MASTER_PORT held by a program that takes connections and never answers: the store's
+    # handshake has no timeout of its own; and a MASTER_ADDR that does not resolve
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        for addr, port, says in (("127.0.0.1", silent.getsockname()[1], "is another program listening"),
+                                 ("no-such-host.invalid", free_port(), "Name or service not known")):
+            started = time.time()
+            proc = python("train.py", *tiny_args(char_data, tmp_path, dist_timeout=2), timeout=60, RANK=1,
+                          WORLD_SIZE=2, LOCAL_RANK=1, MASTER_ADDR=addr, MASTER_PORT=port)
+            assert proc.returncode == 1 and time.time() - started < 20, proc.stderr
+            line, = proc.stderr.splitlines()
+            assert line.startswith(f"error: rank 1 on {socket.gethostname()} could not form the process group "
+                                   f"of 2 ranks at {addr}:{port}") and says in line, line
 
 
 def _corrupt_first_all_reduce(rank):
