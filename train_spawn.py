@@ -61,9 +61,12 @@ def main(argv=None):
             pass
     except mp.ProcessExitedException as e:
         # 1 and 2: the rank said why; 128 + SIGTERM/SIGINT: it stopped with a checkpoint
-        if e.exit_code not in (1, 2, 128 + signal.SIGTERM, 128 + signal.SIGINT):
+        if e.exit_code < 0:  # killed by a signal (SIGKILL: the out-of-memory killer, say): a failed run
+            print(f"error: rank {e.error_index} was killed by {e.signal_name}: relaunch with resume=auto to "
+                  f"continue from the last checkpoint", file=sys.stderr)
+        elif e.exit_code not in (1, 2, 128 + signal.SIGTERM, 128 + signal.SIGINT):
             print(f"error: rank {e.error_index} exited with status {e.exit_code}", file=sys.stderr)
-        sys.exit(e.exit_code or 1)
+        sys.exit(max(e.exit_code, 1))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 
@@ -275,6 +276,22 @@ def test_train_spawn_exits_2_and_debug_shows_the_traceback(char_data, tmp_path, 
     loud = python(*args, "--debug", timeout=120)
     assert loud.returncode == 2 and "Traceback (most recent call last)" in loud.stderr, loud.stderr
     assert nothing_written(tmp_path / "out")
+
+
+def test_train_spawn_exits_1_when_a_rank_is_killed_by_a_signal(char_data, tmp_path, script, monkeypatch):
+    # sys.exit(-9) would end the launcher with status 247
+    import torch.multiprocessing as mp
+
+    class Killed:
+        processes = []
+
+        def join(self):
+            raise mp.ProcessExitedException("", error_index=1, error_pid=4242, exit_code=-9, signal_name="SIGKILL")
+    monkeypatch.setattr(mp, "spawn", lambda *args, **kwargs: Killed())
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # pytest keeps its own handlers
+    proc = script("train_spawn.py", "--nproc=2", *tiny_args(char_data, tmp_path / "out"))
+    assert proc.returncode == 1 and proc.stderr == ("error: rank 1 was killed by SIGKILL: relaunch with resume=auto "
+                                                    "to continue from the last checkpoint\n"), proc.stderr
 
 
 def _train_rank_recording_config_errors(rank, world_size, args, result_dir, damage_on_rank1=True, rank1_args=()):
