@@ -13,6 +13,22 @@ from data.files import atomic_write_bytes
 from errors import LogNotWritten, first_line
 
 
+def read_metrics(path: Path, verb: str) -> list:
+    """metrics.jsonl's rows, each a dict with an integer step. A line that is not one (cut short
+    by a full disk or a kill, or edited) is left out, with a warning: "{verb} 2 unreadable lines"."""
+    rows, torn = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+            row["step"] = int(row["step"])
+            rows.append(row)
+        except (ValueError, TypeError, KeyError):
+            torn += 1
+    if torn:
+        print(f"warning: {verb} {torn} unreadable line{'s' * (torn > 1)} of {path} (a write cut short)", flush=True)
+    return rows
+
+
 class Logger:
 
     def __init__(self, cfg, resumed_step, enabled: bool, estimate_mfu=None):
@@ -28,19 +44,9 @@ class Logger:
         self.metrics = Path(cfg.out_dir) / "metrics.jsonl"
         if self.metrics.exists():  # a fresh run starts a new log; a resumed one drops the
             # steps after its checkpoint, which it is about to run again
-            kept, torn = [], 0
-            for line in self.metrics.read_text(errors="replace").splitlines():
-                try:
-                    step = int(json.loads(line)["step"])
-                except (ValueError, TypeError, KeyError):  # a line cut short by a full disk or a kill, or edited
-                    torn += 1
-                    continue
-                if resumed_step is not None and step <= resumed_step:
-                    kept.append(line)
-            if torn:
-                print(f"warning: dropped {torn} unreadable line{'s' * (torn > 1)} of {self.metrics} "
-                      f"(a write cut short)", flush=True)
-            self._write(self.metrics, "".join(line + "\n" for line in kept))
+            rows = read_metrics(self.metrics, "dropped")
+            self._write(self.metrics, "".join(json.dumps(row) + "\n" for row in rows
+                                              if resumed_step is not None and row["step"] <= resumed_step))
         if sys.stdout.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=cfg.max_iters, initial=resumed_step or 0, dynamic_ncols=True)

@@ -8,7 +8,9 @@ middle: the same against tokens seen, so runs with different batch sizes line up
 run evaluated HellaSwag (hellaswag_interval), a third panel of its acc_norm against the step,
 beside GPT-2 124M's score by the same scorer. Each run is
 labelled by its folder name (or --labels), with its world size from config.json when present.
-A folder without metrics.jsonl, or with no loss in it, is one line on stderr and exit 2.
+Folders of the same name (exp1/out, exp2/out) are labelled by their paths. A folder without
+metrics.jsonl, or with no loss in it, is one line on stderr and exit 2; an unreadable line in
+it (cut short by a kill) is skipped with a warning, as train.py does on a resume.
 """
 
 import argparse
@@ -19,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from errors import ConfigError, reported  # noqa: E402
+from logger import read_metrics  # noqa: E402
 
 GPT2_124M_ACC_NORM = 0.2955  # llm.c dev/data/hellaswag.py, completion style (docs/eval.md)
 
@@ -30,14 +33,8 @@ def read_run(out_dir: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path} does not exist: give the out_dir of a training run")
     train, val, hellaswag, tokens_per_step = {}, {}, {}, None
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise ConfigError(f"{path}:{n} is not JSON: {line[:60]!r}") from None
-        if row.get("step") and row.get("tokens_seen"):
+    for row in read_metrics(path, "skipped"):
+        if row["step"] and row.get("tokens_seen"):
             tokens_per_step = row["tokens_seen"] / row["step"]
         if "loss" in row:
             train[row["step"]] = row["loss"]
@@ -51,9 +48,9 @@ def read_run(out_dir: Path) -> dict:
     config = out_dir / "config.json"
     if config.is_file():
         try:
-            run = json.loads(config.read_text()).get("run", {})
+            run = json.loads(config.read_text())["run"]
             world, tokens_per_step = run.get("world_size"), run.get("tokens_per_step") or tokens_per_step
-        except ValueError:
+        except (ValueError, TypeError, KeyError, AttributeError):  # not train.py's: the label goes without
             pass
     return dict(train=sorted(train.items()), val=sorted(val.items()), hellaswag=sorted(hellaswag.items()),
                 tokens_per_step=tokens_per_step, world=world)
@@ -107,11 +104,17 @@ def main(argv=None):
     labels = args.labels.split(",") if args.labels else []
     if labels and len(labels) != len(args.out_dirs):
         raise ConfigError(f"--labels has {len(labels)} names for {len(args.out_dirs)} folders")
+    if len(set(labels)) < len(labels):
+        raise ConfigError(f"--labels={args.labels} repeats a name: give each run its own")
+    names = [Path(folder).name for folder in args.out_dirs]
+    if len(set(names)) < len(names):  # exp1/out, exp2/out: the paths tell them apart
+        names = [str(Path(folder).resolve()) for folder in args.out_dirs]
+    if len(set(names)) < len(names):
+        raise ConfigError("a folder is given twice: give each run once")
     runs = {}
     for i, folder in enumerate(args.out_dirs):
         r = read_run(Path(folder))
-        label = labels[i] if labels else Path(folder).name + (f" (W={r['world']})" if r["world"] else "")
-        runs[label] = r
+        runs[labels[i] if labels else names[i] + (f" (W={r['world']})" if r["world"] else "")] = r
     out = Path(args.out)
     if out.suffix.lower() != ".png":
         raise ConfigError(f"--out={out}: give a .png file name")
