@@ -82,10 +82,14 @@ def main():
         return
     try:
         sizes = [int(float(s)) for s in args.sizes.split(",")]
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: inf
         raise ConfigError(f"--sizes={args.sizes}: give sizes in bytes, e.g. --sizes=4e6,4e8") from None
-    if min(sizes) < 1 or args.block_size < 1 or args.batch_size < 1:
-        raise ConfigError("--sizes, --block_size and --batch_size must be positive")
+    if args.block_size < 1 or args.batch_size < 1:
+        raise ConfigError("--block_size and --batch_size must be positive")
+    smallest = 2 * 20 * 2 * args.block_size  # uint16: each of 20 shards holds a window at any offset (loader.py)
+    if min(sizes) < smallest:
+        raise ConfigError(f"--sizes: {min(sizes):,} bytes is too small for block_size={args.block_size} "
+                          f"(20 shards of a window each): give at least {smallest:,}")
     print(f"| dataset | layout | windows | start-up to first batch | RSS: own memory | RSS: mapped file pages | "
           f"batches/s ({args.batch_size} x {args.block_size + 1} tokens) |\n|---|---|---|---|---|---|---|")
     for size in sizes:
