@@ -130,7 +130,11 @@ def pick_device(name: str, world: World) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device=cuda but CUDA is not available here: use --device=cpu")
-        return torch.device("cuda", world.local_rank if device.index is None else device.index)
+        index, count = world.local_rank if device.index is None else device.index, torch.cuda.device_count()
+        if index >= count:  # else "invalid device ordinal" inside torch, later
+            raise ConfigError(f"device cuda:{index} does not exist here: this host has {count} GPU"
+                              f"{'s' * (count != 1)}; run at most {count} process{'es' * (count != 1)} on it")
+        return torch.device("cuda", index)
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("device=mps but MPS is not available here: use --device=cpu")
     return device

@@ -101,8 +101,13 @@ def write_bytes(path, data: bytes):
     return path
 
 
-def cuda_without_bfloat16(data, monkeypatch):
+def two_gpus(data, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+def cuda_without_bfloat16(data, monkeypatch):
+    two_gpus(data, monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
 
 
@@ -162,6 +167,8 @@ CASES = [
     ("no CUDA", ["--device=cuda"], lambda d, m: m.setattr(torch.cuda, "is_available", lambda: False),
      r"device=cuda but CUDA is not available here: use --device=cpu"),
     ("unknown device", ["--device=tpu"], None, r"device 'tpu' is not one this trainer runs on"),
+    ("GPU index past this host's", ["--device=cuda:9"], two_gpus,
+     r"device cuda:9 does not exist here: this host has 2 GPUs; run at most 2 processes on it"),
     ("unknown backend", ["--backend=tcp"], None, r"backend must be one of .*got 'tcp'"),
     ("backend missing from this build", ["--backend=mpi"], None,
      r"backend 'mpi' is not available in this torch build: use gloo"),
