@@ -193,11 +193,12 @@ def add_source_args(parser):
 
 def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
     """(model in eval mode, meta.json, path, step) of a training run, for sample.py, eval.py and
-    scripts/export_hf.py: best, else last (or the other way round), of either format."""
-    kinds = ("best", "last") if prefer == "best" else ("last", "best")
+    scripts/export_hf.py: best, else last (or the other way round), else previous, of either format."""
+    kinds = (("best", "last") if prefer == "best" else ("last", "best")) + ("previous",)
     paths = [p for kind in kinds for p in newest([out_dir / f"{kind}.pt", out_dir / f"{kind}.dcp"])]
     if not paths:
-        raise ConfigError(f"no best.pt or last.pt in {out_dir} (nor a .dcp folder): train first, or pass --out_dir")
+        raise ConfigError(f"no best.pt, last.pt or previous.pt in {out_dir} (nor a .dcp folder): train first, "
+                          f"or pass --out_dir")
 
     def build(path):
         ckpt = read(path)

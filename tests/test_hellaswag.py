@@ -158,6 +158,9 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
     error = fails(["--init_from", hf_folder], capsys)
     assert str(hellaswag.cache_path()) in error and "--hellaswag=PATH" in error and "hellaswag_path" in error
     assert "does not exist" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path / "nowhere.jsonl"], capsys)
+    for timeout in ("-1", "nan"):
+        error = fails(["--init_from", hf_folder, f"--dist_timeout={timeout}"], capsys)
+        assert "--dist_timeout must be positive seconds" in error
 
     class Response:  # a download that is not the official file
         def __init__(self, *a, **k):

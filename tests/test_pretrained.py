@@ -303,7 +303,7 @@ def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data,
 def test_export_bad_input_is_one_line(tmp_path, fails_with):
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'none'}", "--to=x"], "does not exist")
     (tmp_path / "empty").mkdir()
-    fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", "--to=x"], "no best.pt or last.pt")
+    fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", "--to=x"], "no best.pt, last.pt or previous.pt")
 
 
 # --- sample.py --init_from --------------------------------------------------------------------

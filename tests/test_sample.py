@@ -81,7 +81,7 @@ def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, m
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda out: (out / "best.pt").unlink() or (out / "last.pt").unlink(), "no best.pt or last.pt in"),
+    (lambda out: (out / "best.pt").unlink() or (out / "last.pt").unlink(), "no best.pt, last.pt or previous.pt in"),
     (lambda out: (out / "meta.json").unlink(), "meta.json is missing: train.py writes it"),
     (lambda out: (out / "meta.json").write_text("[1, 2"), "meta.json is not valid JSON"),
     (lambda out: write(out / "best.pt", os.urandom(2000)) and write(out / "last.pt", b"PK\x03\x04"),
@@ -93,19 +93,23 @@ def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, m
 ])
 def test_a_broken_out_dir_is_a_clear_error(trained_copy, tmp_path, sample, damage, message):
     out = trained_copy
+    (out / "previous.pt").unlink()  # else the damaged ones fall back to it
     damage(out)
     proc = sample(f"--out_dir={out}")
     code, err = proc.returncode, proc.stderr
     assert code == 2 and err.splitlines()[-1].startswith("error: ") and message in err, err
 
 
-def test_a_damaged_best_checkpoint_falls_back_to_last(trained_copy, tmp_path, sample):
+def test_a_damaged_best_checkpoint_falls_back_to_last_then_previous(trained_copy, tmp_path, sample):
     out = trained_copy
     write(out / "best.pt", os.urandom(5000))
     proc = sample(f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=5")
     assert proc.returncode == 0, proc.stderr
     assert f"warning: cannot read checkpoint {out / 'best.pt'}" in proc.stderr
     assert f"# {out / 'last.pt'} (step 10)" in proc.stderr
+    (out / "last.pt").unlink()  # a kill between rotating and committing a sharded save leaves only previous
+    proc = sample(f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=5")
+    assert proc.returncode == 0 and f"# {out / 'previous.pt'} (step 5)" in proc.stderr, proc.stderr
 
 
 def test_sample_with_a_prompt_and_output_far_past_block_size_finishes(trained, tmp_path, sample):
