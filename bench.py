@@ -253,6 +253,8 @@ def parse_list(name: str, text: str, parse, allowed=None, minimum: int = 1) -> l
     if bad:
         raise ConfigError(f"--{name}={text}: {bad} not allowed" +
                           (f" (choose from {', '.join(allowed)})" if allowed else f" (at least {minimum})"))
+    if len(set(values)) < len(values):  # the report would hold the same row twice
+        raise ConfigError(f"--{name}={text} repeats a value: give each once")
     return values
 
 

@@ -84,7 +84,8 @@ def test_measured_state_bytes_confirm_the_memory_formula(report):
 
 def test_bench_bad_arguments_are_one_line(script):
     for args, needle in ((["--nproc=0"], "at least 1"), (["--strategies=zero3"], "choose from ddp, fsdp"),
-                         (["--nproc=3"], "x world size (3) = 48: try --global_batch_size=48")):
+                         (["--nproc=3"], "x world size (3) = 48: try --global_batch_size=48"),
+                         (["--nproc=1,1"], "--nproc=1,1 repeats a value")):
         proc = script("bench.py", *args)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
