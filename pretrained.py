@@ -25,6 +25,7 @@ from model import GPT, GPTConfig
 
 RELEASED = {name: f"openai-community/{name}" for name in GPT2_NAMES}
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
 
 
 # GPT-2 in Hugging Face's layout (transformers' GPT2LMHeadModel): the same names, under
@@ -203,3 +204,7 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
     atomic_write_bytes(folder / "config.json", (json.dumps(config, indent=1) + "\n").encode())
     if gpt2_tokenizer:
         write_gpt2_tokenizer_files(folder, cfg.block_size)
+    # files an earlier export or download left there would describe another model (or tokenizer)
+    stale = ("pytorch_model.bin", "tokenizer.json") + (() if gpt2_tokenizer else TOKENIZER_FILES)
+    for name in stale:
+        (folder / name).unlink(missing_ok=True)

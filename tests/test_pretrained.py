@@ -293,6 +293,9 @@ def test_exported_tokenizer_files_encode_as_tiktoken(tmp_path):
 def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data, train, script):
     out = tmp_path / "out"
     train(tiny_args(char_data, out, max_iters=2, eval_interval=2))
+    (tmp_path / "hf").mkdir()  # what a GPT-2 export or download left there is removed
+    for name in ("vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json", "pytorch_model.bin"):
+        (tmp_path / "hf" / name).write_text("{}")
     exported = script("scripts/export_hf.py", f"--out_dir={out}", "--checkpoint=last", f"--to={tmp_path / 'hf'}")
     assert exported.returncode == 0, exported.stderr
     assert sorted(f.name for f in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
