@@ -123,10 +123,14 @@ def is_loose_shard(path: Path) -> bool:
         "train" in path.name or "val" in path.name)
 
 
+PROGRESS = ".progress.json"  # data/streaming.py's record of a preparation under way; meta.json ends it
+
+
 def has_tokens(data_dir) -> bool:
-    """Whether the folder holds a dataset to read (meta.json, or shards without one)."""
+    """Whether the folder holds a dataset to read (meta.json, or shards without one), or the
+    start of one (which load_meta refuses: it is not to be prepared over)."""
     data_dir = Path(data_dir)
-    return (data_dir / "meta.json").is_file() or (data_dir.is_dir() and any(
+    return any((data_dir / name).is_file() for name in ("meta.json", PROGRESS)) or (data_dir.is_dir() and any(
         is_loose_shard(p) for p in data_dir.iterdir()))
 
 
@@ -188,6 +192,9 @@ def load_meta(data_dir) -> dict:
     path = Path(data_dir) / "meta.json"
     again = _prepare_again(data_dir)
     if not path.is_file():
+        if (Path(data_dir) / PROGRESS).is_file():  # its shards are not the whole corpus
+            raise ValueError(f"{data_dir} holds an unfinished preparation ({PROGRESS} and no meta.json): run the "
+                             f"dataset's prepare.py with the same arguments again, which finishes it")
         if has_tokens(data_dir):
             return meta_from_shards(data_dir)
         raise FileNotFoundError(f"{path} not found: prepare the dataset first "

@@ -25,12 +25,11 @@ from typing import Callable, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_VOCAB_SIZE, write_shard
+from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_VOCAB_SIZE, PROGRESS, write_shard
 from data.corpora import prepare_parser
 from data.files import remove_stale_temporaries
 from data.files import atomic_write_bytes
 
-PROGRESS = ".progress.json"
 
 
 def shard_arguments(doc: str, repo_id: str) -> argparse.ArgumentParser:

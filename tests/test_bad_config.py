@@ -182,6 +182,8 @@ CASES = [
      r"data holds train\.bin and val\.bin but no meta\.json: train\.py will not prepare over them"),
     ("prepare_input missing", ["--prepare_input=no/such/corpus.txt"], lambda d, m: shutil.rmtree(d),
      r"prepare_input no/such/corpus\.txt does not exist: the dataset in .*data is missing"),
+    ("unfinished streaming preparation", [], lambda d, m: (d / "meta.json").rename(d / ".progress.json"),
+     r"data holds an unfinished preparation \(\.progress\.json and no meta\.json\): run the dataset's prepare\.py"),
     ("meta.json not JSON", [], lambda d, m: (d / "meta.json").write_text("{\"vocab_size\": "),
      r"meta\.json is not valid JSON .*: prepare the dataset again"),
     ("meta.json without vocab_size", [], lambda d, m: rewrite_meta(d, vocab_size=None),
