@@ -47,13 +47,21 @@ def shard_arguments(doc: str, repo_id: str) -> argparse.ArgumentParser:
 def read_documents(path: Path) -> Iterator[str]:
     """The documents of one file, in order; ValueError naming the file when it has no text."""
     if path.suffix == ".txt":
-        yield path.read_text(encoding="utf-8")
+        data = path.read_bytes()
+        try:
+            yield data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start:,}): convert it") from None
     elif path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             for line_number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                record = json.loads(line)
+                try:
+                    record = json.loads(line.decode("utf-8"))
+                except ValueError as e:  # UnicodeDecodeError too
+                    raise ValueError(f"{path}, line {line_number}: not a line of UTF-8 JSON ({e}): each line "
+                                     f"must be a JSON object with the document in 'text'") from None
                 if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                     raise ValueError(f"{path}, line {line_number}: no 'text' field (a string): each "
                                      f"line must be a JSON object with the document in 'text'")

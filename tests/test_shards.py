@@ -233,6 +233,9 @@ def test_epochs_over_shards_never_repeat_a_window_and_resume_on_the_boundary(cha
 
 @pytest.mark.parametrize("make, message", [
     (lambda d: (d / "c.jsonl").write_text('{"body": "no text here"}\n'), "c.jsonl, line 1: no 'text' field"),
+    (lambda d: (d / "c.jsonl").write_text('{"text": "a"}\n{"text": "b\n'), "c.jsonl, line 2: not a line of UTF-8 JSON"),
+    (lambda d: (d / "c.jsonl").write_bytes(b'{"text": "caf\xe9"}\n'), "c.jsonl, line 1: not a line of UTF-8 JSON"),
+    (lambda d: (d / "c.txt").write_bytes(b"caf\xe9 au lait"), "c.txt is not UTF-8 text (invalid continuation byte at byte 3)"),
     (lambda d: pq.write_table(pa.table({"content": ["x"]}), d / "c.parquet"), "c.parquet has no 'text' column"),
     (lambda d: (d / "c.jsonl").write_text(""), "the corpus holds no documents"),
     (lambda d: (d / "c.txt").write_text("a short corpus"), "gives no train shard: too small for --shard_tokens"),
