@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -104,13 +105,35 @@ def local_source(pattern: str) -> Source:
                   description={"name": "local files", "input": pattern, "files": len(files)})
 
 
+@contextmanager
+def on_the_hub(what: str):
+    """A failure to reach the hub (offline, blocked, no such repo: httpx's errors are no OSError) as one line."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001
+        raise OSError(f"could not {what} on the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                      f"): check the network and --repo/--revision, or give local files with --input") from None
+
+
+def hub_files(repo_id: str, revision: str, folder: str, hint: str) -> list:
+    """The .parquet files under `folder` of a Hugging Face dataset repo, sorted."""
+    from huggingface_hub import HfApi
+    with on_the_hub(f"list the files of {repo_id}"):
+        names = HfApi().list_repo_files(repo_id, repo_type="dataset", revision=revision)
+    files = sorted(f for f in names if f.startswith(folder) and f.endswith(".parquet"))
+    if not files:
+        raise ValueError(f"{repo_id} has no parquet files in {folder or 'it'} at revision {revision}: {hint}")
+    return files
+
+
 def hub_source(repo_id: str, files: list, revision: str, download_dir: Path) -> Source:
     """Parquet files of a Hugging Face dataset repo, downloaded one at a time and deleted after."""
     from huggingface_hub import hf_hub_download
 
     def fetch(i):
-        return Path(hf_hub_download(repo_id, files[i], repo_type="dataset", revision=revision,
-                                    local_dir=download_dir))
+        with on_the_hub(f"download {files[i]} of {repo_id}"):
+            return Path(hf_hub_download(repo_id, files[i], repo_type="dataset", revision=revision,
+                                        local_dir=download_dir))
 
     def release(i):
         (download_dir / files[i]).unlink(missing_ok=True)

@@ -235,7 +235,8 @@ def test_epochs_over_shards_never_repeat_a_window_and_resume_on_the_boundary(cha
     (lambda d: (d / "c.jsonl").write_text('{"body": "no text here"}\n'), "c.jsonl, line 1: no 'text' field"),
     (lambda d: (d / "c.jsonl").write_text('{"text": "a"}\n{"text": "b\n'), "c.jsonl, line 2: not a line of UTF-8 JSON"),
     (lambda d: (d / "c.jsonl").write_bytes(b'{"text": "caf\xe9"}\n'), "c.jsonl, line 1: not a line of UTF-8 JSON"),
-    (lambda d: (d / "c.txt").write_bytes(b"caf\xe9 au lait"), "c.txt is not UTF-8 text (invalid continuation byte at byte 3)"),
+    (lambda d: (d / "c.txt").write_bytes(b"caf\xe9 au lait"),
+     "c.txt is not UTF-8 text (invalid continuation byte at byte 3)"),
     (lambda d: pq.write_table(pa.table({"content": ["x"]}), d / "c.parquet"), "c.parquet has no 'text' column"),
     (lambda d: (d / "c.jsonl").write_text(""), "the corpus holds no documents"),
     (lambda d: (d / "c.txt").write_text("a short corpus"), "gives no train shard: too small for --shard_tokens"),
@@ -249,6 +250,31 @@ def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script,
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1
     assert not list(out.glob("*.bin")) and not (out / "meta.json").exists()
+
+
+class ConnectError(Exception):
+    """What huggingface_hub's HTTP client raises offline (httpx's errors are no OSError)."""
+
+
+def test_a_hub_that_cannot_be_reached_is_one_line(tmp_path, script, monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise ConnectError("[Errno -2] Name or service not known")
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", offline)
+    for prepare in ("fineweb", "openwebtext"):
+        proc = script(f"data/{prepare}/prepare.py", f"--out_dir={tmp_path / prepare}")
+        assert proc.returncode == 2 and proc.stderr.startswith("error: could not list the files of ") and \
+            "(ConnectError: [Errno -2] Name or service not known): check the network" in proc.stderr, proc.stderr
+        assert proc.stderr.count("\n") == 1
+    # listed, then the download fails
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda *a, **k: ["sample/10BT/000_00000.parquet"])
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    proc = script("data/fineweb/prepare.py", f"--out_dir={tmp_path / 'fineweb'}")
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        "error: could not download sample/10BT/000_00000.parquet of HuggingFaceFW/fineweb-edu on the Hugging Face "
+        "hub (ConnectError"), proc.stderr
+    assert not list((tmp_path / "fineweb").glob("*.bin"))
 
 
 def bad_length(d):

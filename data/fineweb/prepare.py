@@ -23,21 +23,10 @@ if __package__ in (None, ""):  # run as a script: make `data` importable from th
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.corpora import errors_exit_2
-from data.streaming import hub_source, local_source, shard_arguments, write_shards
+from data.streaming import hub_files, hub_source, local_source, shard_arguments, write_shards
 
 PREPARE_IN_TRAIN = False  # hours of downloading: train.py asks for this script to be run first
 REPO_ID = "HuggingFaceFW/fineweb-edu"
-
-
-def hub_files(repo_id: str, subset: str, revision: str) -> list:
-    """The parquet files of a FineWeb subset: sample-10BT lives in sample/10BT/, a dump in data/."""
-    from huggingface_hub import HfApi
-    folder = f"sample/{subset.removeprefix('sample-')}/" if subset.startswith("sample-") else f"data/{subset}/"
-    files = sorted(f for f in HfApi().list_repo_files(repo_id, repo_type="dataset", revision=revision)
-                   if f.startswith(folder) and f.endswith(".parquet"))
-    if not files:
-        raise ValueError(f"{repo_id} has no parquet files in {folder} at revision {revision}: check --subset")
-    return files
 
 
 def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, subset="sample-10BT", revision="main",
@@ -46,7 +35,10 @@ def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, subset="sample-10
     if input_pattern:
         source, settings = local_source(input_pattern), {"input": input_pattern}
     else:
-        source = hub_source(repo_id, hub_files(repo_id, subset, revision), revision, out_dir / ".download")
+        # sample-10BT lives in sample/10BT/, a dump in data/
+        folder = f"sample/{subset.removeprefix('sample-')}/" if subset.startswith("sample-") else f"data/{subset}/"
+        source = hub_source(repo_id, hub_files(repo_id, revision, folder, "check --subset"), revision,
+                            out_dir / ".download")
         settings = {"repo": repo_id, "subset": subset, "revision": revision}
     meta = write_shards(source, out_dir, "fineweb", shard_tokens, workers or os.cpu_count(),
                         route=lambda doc: "stream",

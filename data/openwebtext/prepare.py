@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: make `data` importable from th
 import numpy as np
 
 from data.corpora import errors_exit_2
-from data.streaming import (count_documents, hub_source, local_source, saved_counts, shard_arguments,
+from data.streaming import (count_documents, hub_files, hub_source, local_source, saved_counts, shard_arguments,
                             write_shards)
 
 PREPARE_IN_TRAIN = False  # hours of downloading: train.py asks for this script to be run first
@@ -45,12 +45,7 @@ def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, revision="main", 
     if input_pattern:
         source, settings = local_source(input_pattern), {"input": input_pattern}
     else:
-        from huggingface_hub import HfApi
-        files = sorted(f for f in HfApi().list_repo_files(repo_id, repo_type="dataset", revision=revision)
-                       if f.endswith(".parquet"))
-        if not files:
-            raise ValueError(f"{repo_id} has no parquet files at revision {revision}: pass --revision "
-                             f"(a branch with the parquet conversion) or --input")
+        files = hub_files(repo_id, revision, "", "pass --revision (a branch with the parquet conversion) or --input")
         source = hub_source(repo_id, files, revision, out_dir / ".download")
         settings = {"repo": repo_id, "revision": revision}
     counts = saved_counts(out_dir)
