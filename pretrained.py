@@ -138,10 +138,19 @@ def read_shape(folder: Path) -> dict:
             raise ConfigError(f"{folder / 'config.json'}: {key}={hf.get(key)!r}, but this GPT is GPT-2's "
                               f"architecture ({key} in {allowed})")
     try:
-        return dict(n_layer=int(hf["n_layer"]), n_head=int(hf["n_head"]), n_embd=int(hf["n_embd"]),
-                    block_size=int(hf["n_positions"]), vocab_size=int(hf["vocab_size"]))
+        shape = dict(n_layer=int(hf["n_layer"]), n_head=int(hf["n_head"]), n_embd=int(hf["n_embd"]),
+                     block_size=int(hf["n_positions"]), vocab_size=int(hf["vocab_size"]))
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{folder / 'config.json'} lacks a valid {first_line(e)}") from None
+    # Before a model of that shape is built (n_layer=10**6 would not fit in memory): no weight file
+    # holds under a byte a weight. A smaller mismatch is named tensor by tensor in gpt2_from_hf.
+    weights = next(folder / f for f in WEIGHT_FILES if (folder / f).is_file())
+    n_embd = shape["n_embd"]
+    params = shape["n_layer"] * 12 * n_embd ** 2 + (shape["vocab_size"] + shape["block_size"]) * n_embd
+    if params > weights.stat().st_size:
+        raise ConfigError(f"{folder / 'config.json'} describes a model of {params:,} weights, but {weights} holds "
+                          f"{weights.stat().st_size:,} bytes: the two come from different models")
+    return shape
 
 
 def model_args(init_from: str, cfg, meta: dict) -> dict:

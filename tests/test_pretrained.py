@@ -104,7 +104,7 @@ def test_pytorch_model_bin_is_read_with_weights_only(tmp_path):
 
 def test_a_pickled_object_in_pytorch_model_bin_is_refused_not_run(tmp_path):
     hf_model().config.save_pretrained(tmp_path)
-    torch.save({"x": object()}, tmp_path / "pytorch_model.bin")
+    torch.save({"x": object(), "pad": torch.zeros(2 * 10**6, dtype=torch.uint8)}, tmp_path / "pytorch_model.bin")
     with pytest.raises(ConfigError, match="cannot read .*pytorch_model.bin"):
         pretrained.load_gpt(str(tmp_path))
 
@@ -148,9 +148,16 @@ def test_old_files_without_the_transformer_prefix_load(tmp_path):
     assert (full_logits(pretrained.load_gpt(str(tmp_path)), x) - hf_logits(hf, x)).abs().max().item() < 1e-5
 
 
-def test_config_json_of_another_architecture_is_refused(tmp_path):
+def test_config_json_of_another_architecture_or_size_is_refused(tmp_path):
     hf_model(activation_function="relu").save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="activation_function='relu'"):
+        pretrained.load_gpt(str(tmp_path))
+    # a config.json of another size beside the weights: refused before a model that size is built
+    hf_model().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "n_layer": 10**6}))
+    pretrained.locate.cache_clear()
+    with pytest.raises(ConfigError, match=r"a model of [\d,]+ weights, but .*model\.safetensors holds [\d,]+ bytes"):
         pretrained.load_gpt(str(tmp_path))
 
 
@@ -306,7 +313,8 @@ def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data,
 def test_export_bad_input_is_one_line(tmp_path, fails_with):
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'none'}", "--to=x"], "does not exist")
     (tmp_path / "empty").mkdir()
-    fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", "--to=x"], "no best.pt, last.pt or previous.pt")
+    fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", "--to=x"],
+               "no best.pt, last.pt or previous.pt")
 
 
 # --- sample.py --init_from --------------------------------------------------------------------
