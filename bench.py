@@ -38,16 +38,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from collectives import any_rank, process_group
 from config import CHOICES, resolve
 from data.dataset import GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
 from errors import ConfigError, reported
-from collectives import any_rank
 from loader import Dataset
 from model import GPTConfig
 from parallel import memory_problem
-
 from train import build_run, optimizer_step
-from world import World, accumulation_steps, process_group, setup
+from world import World, accumulation_steps, setup
 
 REPO = Path(__file__).resolve().parent
 

@@ -1,5 +1,5 @@
-"""Rank-to-rank agreement and small transfers: every function is a collective that every rank
-calls, and a no-op on a single process.
+"""The process group, and rank-to-rank agreement and small transfers in it: every function is a
+collective that every rank calls, and a no-op on a single process.
 
 Why agree: a problem only some ranks see (rank 0's checkpoint, one host's data, a SIGTERM that
 reached one process) must not be acted on by those ranks alone: a rank that raised by itself
@@ -8,13 +8,20 @@ instead of the real problem. So all vote first (any_rank), then all raise the sa
 Messages travel as JSON over the world's gloo group, never as pickle.
 """
 
+import gc
 import json
+import os
 import signal
+import socket
+import sys
+import threading
+from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from errors import ConfigError
+from errors import CollectiveFailed, ConfigError, GroupNotFormed, RunError
 
 
 def agree_max(values: list, world) -> list:
@@ -132,3 +139,90 @@ def restore_rng_states(rng: dict, world):
             torch.set_rng_state(mine)
         elif torch.cuda.is_available():
             torch.cuda.set_rng_state(mine)
+
+
+# -----------------------------------------------------------------------------
+# the process group
+
+COMM_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "socket", "peer", "closed")
+
+
+@contextmanager
+def collective_failures_explained(world, dist_timeout: float, where):
+    """Turn a timed-out or broken collective into a message that says what to do.
+    `where()` names the moment (it is called only on failure)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if world.size == 1 or isinstance(e, RunError) or not (
+                isinstance(e, dist.DistError) or any(w in str(e).lower() for w in COMM_WORDS)):
+            raise
+        raise CollectiveFailed(world.rank, where(), dist_timeout, e) from None
+
+
+# -----------------------------------------------------------------------------
+# the process group
+
+def _give_up(error: Exception):
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _join(world, dist_timeout: float):
+    """init_process_group, with a message that says what to check when peers never come."""
+    address = ":".join(os.environ.get(k, f"({k} unset)") for k in ("MASTER_ADDR", "MASTER_PORT"))
+    timeout = timedelta(seconds=dist_timeout)
+    # The store's handshake has no timeout: a program that accepts on MASTER_PORT and never
+    # answers (not a torch store) would hold this rank forever. Both waits below take at most
+    # dist_timeout each, so past twice that nothing will come.
+    silent = TimeoutError(f"nothing answered at {address}: is another program listening on MASTER_PORT?")
+    watchdog = threading.Timer(2 * dist_timeout + 2, _give_up,
+                               (GroupNotFormed(world.rank, world.size, address, dist_timeout, silent),))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        socket.getaddrinfo(os.environ.get("MASTER_ADDR") or "localhost", None)  # fails in 2 x dist_timeout else
+        store, _, _ = next(dist.rendezvous("env://", world.rank, world.size, timeout=timeout))
+        # torchrun restarts a failed group against the same store, where a dead peer's address
+        # lingers for a new rank to read: a prefix per attempt keeps each attempt's keys apart.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(world.backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
+                                rank=world.rank, world_size=world.size, timeout=timeout)
+    except (RuntimeError, ValueError, socket.gaierror) as e:  # torch's DistError family is RuntimeError
+        raise GroupNotFormed(world.rank, world.size, address, dist_timeout, e) from None
+    finally:
+        watchdog.cancel()
+    # Small CPU messages (stop flags, RNG states, checkpoint bytes) go through gloo, also under NCCL.
+    world.group = dist.new_group(backend="gloo") if world.backend != "gloo" else None
+
+
+def _check_group(world):
+    """One small all-reduce with a known answer, so a broken fabric fails now, not at step 500."""
+    probe = torch.tensor([world.rank + 1.0], device=world.device)
+    dist.all_reduce(probe)
+    expected = world.size * (world.size + 1) / 2
+    if probe.item() != expected:
+        raise RunError(f"the startup all-reduce over {world.backend} gave {probe.item()}, not "
+                       f"{expected}: the connection between ranks is broken")
+
+
+@contextmanager
+def process_group(world, dist_timeout: float):
+    """The process group for this launch, checked, and always torn down (a single process
+    forms none). Every rank prints one line saying where it stands."""
+    if world.size > 1:
+        _join(world, dist_timeout)
+    print(f"host {socket.gethostname()} | rank {world.rank} | local rank {world.local_rank} | "
+          f"world size {world.size} | device {world.device} | backend {world.backend if world.size > 1 else 'none'}",
+          flush=True)
+    try:
+        with collective_failures_explained(world, dist_timeout, lambda: "before the first step"):
+            if world.size > 1:
+                _check_group(world)
+            yield
+    finally:
+        if dist.is_initialized():
+            # DDP sits in reference cycles; if it outlives the group, gloo's threads can
+            # abort the process at exit ("terminate called without an active exception")
+            gc.collect()
+            dist.destroy_process_group()

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import checkpoint
 import pretrained
-from collectives import agree_or_raise, differs_from_rank0
+from collectives import agree_or_raise, collective_failures_explained, differs_from_rank0, process_group
 from config import Config
 from errors import ConfigError, reported
 from evals import hellaswag
 from loader import dataset_dir, eval_starts, read_dataset, token_splits
 from evals.loss import val_loss
-from world import autocast, collective_failures_explained, place, process_group
+from world import autocast, place
 
 
 def parse_args(argv=None):

@@ -29,8 +29,8 @@ import checkpoint
 import parallel
 import pretrained
 import sharded
-from collectives import (AGREE_EVERY, agree_or_raise, any_rank, differs_from_rank0, first_error, gather_rng_states,
-                         log_step, on_rank0, restore_rng_states)
+from collectives import (AGREE_EVERY, agree_or_raise, any_rank, collective_failures_explained, differs_from_rank0,
+                         first_error, gather_rng_states, log_step, on_rank0, process_group, restore_rng_states)
 from config import PER_HOST, Config, resolve
 from errors import CheckpointNotWritten, ConfigError, Diverged, LogNotWritten, first_line, reported
 from evals import hellaswag
@@ -38,8 +38,7 @@ from evals.loss import val_loss
 from loader import Dataset, ShardedTokenLoader, eval_starts, token_splits
 from logger import Logger
 from model import GPT, GPTConfig
-from world import (StopSignal, World, autocast, collective_failures_explained, process_group, release_freed_memory,
-                   setup, strip_local_rank)
+from world import StopSignal, World, autocast, release_freed_memory, setup, strip_local_rank
 
 
 # -----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Where this process stands: its rank, device and dtype, and the process group (docs/multihost.md).
+"""Where this process stands: its rank, device and dtype (docs/multihost.md); the process group
+it joins is collectives.py's.
 
 setup(), the start-up train.py and bench.py share, finds every problem a rank can see alone (a config
 typo, a dtype the device cannot run, a global batch the world cannot split) before the group forms,
@@ -6,23 +7,19 @@ so each rank fails at once instead of waiting out dist_timeout; the rest is agre
 """
 
 import ctypes
-import gc
 import os
 import re
 import signal
-import socket
-import sys
 import threading
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from config import CHOICES, Config
-from errors import CollectiveFailed, ConfigError, GlobalBatchIndivisible, GroupNotFormed, RunError
+from errors import ConfigError, GlobalBatchIndivisible
 
 try:
     LIBC = ctypes.CDLL("libc.so.6")  # glibc: its allocator is tuned for CPU training
@@ -260,7 +257,7 @@ def autocast(world: World):
 
 
 # -----------------------------------------------------------------------------
-# signals and failures
+# stop signals
 
 class StopSignal:
     """SIGTERM (a scheduler's preemption, torchrun passing it on) or SIGINT (Ctrl-C) asks the run
@@ -282,87 +279,3 @@ class StopSignal:
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-
-
-COMM_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "socket", "peer", "closed")
-
-
-@contextmanager
-def collective_failures_explained(world: World, dist_timeout: float, where):
-    """Turn a timed-out or broken collective into a message that says what to do.
-    `where()` names the moment (it is called only on failure)."""
-    try:
-        yield
-    except RuntimeError as e:
-        if world.size == 1 or isinstance(e, RunError) or not (
-                isinstance(e, dist.DistError) or any(w in str(e).lower() for w in COMM_WORDS)):
-            raise
-        raise CollectiveFailed(world.rank, where(), dist_timeout, e) from None
-
-
-# -----------------------------------------------------------------------------
-# the process group
-
-def _give_up(error: Exception):
-    print(f"error: {error}", file=sys.stderr, flush=True)
-    os._exit(1)
-
-
-def _join(world: World, dist_timeout: float):
-    """init_process_group, with a message that says what to check when peers never come."""
-    address = ":".join(os.environ.get(k, f"({k} unset)") for k in ("MASTER_ADDR", "MASTER_PORT"))
-    timeout = timedelta(seconds=dist_timeout)
-    # The store's handshake has no timeout: a program that accepts on MASTER_PORT and never
-    # answers (not a torch store) would hold this rank forever. Both waits below take at most
-    # dist_timeout each, so past twice that nothing will come.
-    silent = TimeoutError(f"nothing answered at {address}: is another program listening on MASTER_PORT?")
-    watchdog = threading.Timer(2 * dist_timeout + 2, _give_up,
-                               (GroupNotFormed(world.rank, world.size, address, dist_timeout, silent),))
-    watchdog.daemon = True
-    watchdog.start()
-    try:
-        socket.getaddrinfo(os.environ.get("MASTER_ADDR") or "localhost", None)  # fails in 2 x dist_timeout else
-        store, _, _ = next(dist.rendezvous("env://", world.rank, world.size, timeout=timeout))
-        # torchrun restarts a failed group against the same store, where a dead peer's address
-        # lingers for a new rank to read: a prefix per attempt keeps each attempt's keys apart.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(world.backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
-                                rank=world.rank, world_size=world.size, timeout=timeout)
-    except (RuntimeError, ValueError, socket.gaierror) as e:  # torch's DistError family is RuntimeError
-        raise GroupNotFormed(world.rank, world.size, address, dist_timeout, e) from None
-    finally:
-        watchdog.cancel()
-    # Small CPU messages (stop flags, RNG states, checkpoint bytes) go through gloo, also under NCCL.
-    world.group = dist.new_group(backend="gloo") if world.backend != "gloo" else None
-
-
-def _check_group(world: World):
-    """One small all-reduce with a known answer, so a broken fabric fails now, not at step 500."""
-    probe = torch.tensor([world.rank + 1.0], device=world.device)
-    dist.all_reduce(probe)
-    expected = world.size * (world.size + 1) / 2
-    if probe.item() != expected:
-        raise RunError(f"the startup all-reduce over {world.backend} gave {probe.item()}, not "
-                       f"{expected}: the connection between ranks is broken")
-
-
-@contextmanager
-def process_group(world: World, dist_timeout: float):
-    """The process group for this launch, checked, and always torn down (a single process
-    forms none). Every rank prints one line saying where it stands."""
-    if world.size > 1:
-        _join(world, dist_timeout)
-    print(f"host {socket.gethostname()} | rank {world.rank} | local rank {world.local_rank} | "
-          f"world size {world.size} | device {world.device} | backend {world.backend if world.size > 1 else 'none'}",
-          flush=True)
-    try:
-        with collective_failures_explained(world, dist_timeout, lambda: "before the first step"):
-            if world.size > 1:
-                _check_group(world)
-            yield
-    finally:
-        if dist.is_initialized():
-            # DDP sits in reference cycles; if it outlives the group, gloo's threads can
-            # abort the process at exit ("terminate called without an active exception")
-            gc.collect()
-            dist.destroy_process_group()

@@ -259,7 +259,8 @@ def test_a_character_level_model_is_refused(char_data, small_file, tmp_path, cap
 
 def _score_rank(rank, world_size, hf_folder, path, out):
     """One rank of a spawned world: the process group, the model, its share of the examples."""
-    from world import place, process_group
+    from collectives import process_group
+    from world import place
     world = place("cpu", "float32", "gloo")
     with process_group(world, 60):
         examples = hellaswag.load(str(path), 64)
