@@ -160,9 +160,6 @@ def collective_failures_explained(world, dist_timeout: float, where):
         raise CollectiveFailed(world.rank, where(), dist_timeout, e) from None
 
 
-# -----------------------------------------------------------------------------
-# the process group
-
 def _give_up(error: Exception):
     print(f"error: {error}", file=sys.stderr, flush=True)
     os._exit(1)
