@@ -260,9 +260,7 @@ def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
     log.restart_clock(run.step)
 
 
-def train(cfg: Config, world: World, dataset: Dataset, out_dir_error: Optional[str]) -> dict:
-    # rank 0 cannot use out_dir (busy, unwritable), or a rank's config is not rank 0's: every rank stops
-    agree_or_raise(differs_from_rank0(cfg.to_dict(), world, PER_HOST) or out_dir_error, world)
+def train(cfg: Config, world: World, dataset: Dataset) -> dict:
     if cfg.checkpoint_format == "sharded":
         sharded.check_shared(Path(cfg.out_dir), world, "to write sharded checkpoints")
     meta = dataset.ready(world)
@@ -329,7 +327,9 @@ def main(cfg: Config) -> dict:
     dataset = Dataset(cfg)
     # rank 0 locks out_dir before the group forms (a second run into it stops at the first agreement)
     with checkpoint.locked_out_dir(cfg.out_dir, world) as out_dir_error, process_group(world, cfg.dist_timeout):
-        return train(cfg, world, dataset, out_dir_error)
+        # rank 0 cannot use out_dir (busy, unwritable), or a rank's config is not rank 0's: every rank stops
+        agree_or_raise(differs_from_rank0(cfg.to_dict(), world, PER_HOST) or out_dir_error, world)
+        return train(cfg, world, dataset)
 
 
 def cli(argv=None):
