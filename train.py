@@ -129,14 +129,15 @@ class Run:
     def load_state_dict(self, ckpt: dict):
         """Every rank calls it. File format: only rank 0's ckpt holds the tensors (the others'
         are None). Sharded: every rank reads its own part, resharded to this world by DCP."""
-        kernel = {k: self.optimizer.defaults[k] for k in ("foreach", "fused", "capturable", "differentiable")}
+        chosen = [{k: g[k] for k in ("weight_decay", "betas", "foreach", "fused", "capturable", "differentiable")}
+                  for g in self.optimizer.param_groups]
         if ckpt.get("sharded"):  # every rank loads its own shards, and its RNG states with them
             ckpt["rng"] = sharded.load_run(Path(ckpt["path"]), self.raw_model, self.optimizer, ckpt, self.world)
         else:
             parallel.load_full_state(self.raw_model, self.optimizer, self.world, ckpt["model"] or {},
                                      ckpt["optimizer"] or {})
-        for group in self.optimizer.param_groups:  # which AdamW kernel runs is this run's choice (build_run)
-            group.update(kernel)
+        for group, mine in zip(self.optimizer.param_groups, chosen):  # AdamW as this run set it, not as saved
+            group.update(mine)
         self.step, self.best_val_loss, self.resumed_from = ckpt["step"], ckpt["best_val_loss"], ckpt["path"]
         self.saved = (Path(ckpt["path"]).name, self.step)
         if ckpt["scaler"] or not self.scaler.is_enabled():  # a disabled scaler ignores a saved one

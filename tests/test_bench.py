@@ -2,11 +2,12 @@
 measured and consistent, never against a speed)."""
 
 import json
+import subprocess
 import sys
 
 import pytest
 
-from harness import REPO, run, train_here
+from harness import REPO, child_env, train_here
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -21,12 +22,16 @@ def assert_png(path):
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("bench")
-    tiny = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--global_batch_size=8",
-            "--dtype=float32", "--device=cpu"]
-    proc = run([sys.executable, "bench.py", *tiny, "--nproc=1,2", "--strategies=ddp,fsdp", "--steps=2", "--warmup=1",
-                f"--report={folder}"], timeout=600)
-    return folder, proc.stdout
+    """Run from another folder with a relative config file and report folder: the workers must
+    read them where the caller meant (they once ran in the repo, and failed or wrote there)."""
+    here = tmp_path_factory.mktemp("bench")
+    (here / "tiny.py").write_text('n_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\nbatch_size = 4\n'
+                                  'global_batch_size = 8\ndtype = "float32"\ndevice = "cpu"\n')
+    proc = subprocess.run([sys.executable, str(REPO / "bench.py"), "tiny.py", "--nproc=1,2", "--strategies=ddp,fsdp",
+                           "--steps=2", "--warmup=1", "--report=report"], cwd=here, env=child_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return here / "report", proc.stdout
 
 
 @pytest.mark.slow

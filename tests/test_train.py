@@ -41,9 +41,14 @@ def test_resume_ends_bit_identical_to_an_uninterrupted_run(char_data, tmp_path):
     assert losses(straight) == losses(legs)  # the resumed log continues, no replayed steps
 
 
-def test_resume_auto_with_nothing_to_resume_starts_fresh(char_data, tmp_path):
-    result = train_here(char_data, tmp_path, max_iters=2, resume="auto")
+def test_resume_auto_starts_fresh_then_resumes_with_this_runs_adamw_settings(char_data, tmp_path):
+    result = train_here(char_data, tmp_path, max_iters=2, resume="auto")  # nothing to resume yet
     assert result["step"] == 2
+    # AdamW's settings changed on resume apply (the saved param_groups once overrode them silently)
+    train_here(char_data, tmp_path, max_iters=3, resume="auto", weight_decay=0.5, beta1=0.8, beta2=0.9)
+    saved = ckpt(tmp_path)
+    assert saved["step"] == 3 and [g["weight_decay"] for g in saved["optimizer"]["param_groups"]] == [0.5, 0.0]
+    assert all(tuple(g["betas"]) == (0.8, 0.9) for g in saved["optimizer"]["param_groups"])
 
 
 @pytest.mark.parametrize("dtype, device", [("bfloat16", "cpu"), ("float16", "cpu"), pytest.param(
