@@ -22,6 +22,7 @@ import torch
 
 from config import Config
 import sharded
+from collectives import on_rank0
 from data.files import disk_full, fsync_dir, link_or_copy, remove_stale_temporaries, tensor_bytes, write_temp
 from errors import ConfigError, OutDirBusy, OutDirUnwritable, UnreadableCheckpoint, first_line
 from model import GPT, GPTConfig
@@ -176,10 +177,30 @@ def read_first(paths: list, use):
             print(f"warning: {e}\ntrying {paths[i + 1]} instead", file=sys.stderr, flush=True)
 
 
-def load_for_resume(cfg: Config, model_args: dict):
-    """The checkpoint this run continues from, or None; with resume=auto, a damaged newest one
-    falls back to the next newest (last -> previous)."""
-    paths = find(cfg)
+def resume(cfg: Config, model_args: dict, world, restore):
+    """The checkpoint this run continues from (rank 0's; the others get its plain values), once
+    restore(ckpt) took it on every rank; or None. With resume=auto a damaged newest one falls back
+    to the next newest (last -> previous): a .pt as rank 0 reads it, a sharded one when every
+    rank's reading its shards in restore fails (DCP tells every rank)."""
+    damaged = {}
+    while True:
+        ckpt = on_rank0(lambda: load_for_resume(cfg, model_args, damaged), world, ("model", "optimizer", "rng"))
+        try:
+            return ckpt if ckpt is None else (restore(ckpt), ckpt)[1]
+        except UnreadableCheckpoint as e:
+            if not ckpt.get("sharded"):
+                raise
+            damaged[ckpt["path"]] = str(e)
+            if world.is_master:
+                print(f"warning: {e}\ntrying the next newest checkpoint instead", file=sys.stderr, flush=True)
+
+
+def load_for_resume(cfg: Config, model_args: dict, damaged: dict):
+    """Rank 0: the checkpoint to continue from (read and checked), or None; past those in `damaged`
+    (path -> why), and past a .pt it cannot read."""
+    paths = [p for p in find(cfg) if str(p) not in damaged]
+    if damaged and not paths:
+        raise UnreadableCheckpoint(list(damaged.values())[-1])
     return read_first(paths, lambda p: load(p, model_args, cfg)) if paths else None
 
 

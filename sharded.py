@@ -64,6 +64,8 @@ def _reason(e: BaseException, out_dir: Path = None, need: int = 0) -> str:
     failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, trace)}
     rank, exc = min(failures.items(), key=lambda item: item[0]) if failures else (None, (e, None))
     text = (out_dir and disk_full(exc[0], out_dir, need)) or f"{type(exc[0]).__name__}: {first_line(exc[0])}"
+    if str(exc[0]).startswith("Weights only load failed"):  # not torch's advice to load it unsafely
+        text = "its data is damaged (weights_only=True reads nothing but plain tensors)"
     return text if rank is None else f"rank {rank}: {text}"
 
 

@@ -227,10 +227,8 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
     # Each rank gets its own dropout stream, derived from the one seed.
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
     # rank 0 reads and checks the file (other hosts need no copy); the others get its run state
-    ckpt = on_rank0(lambda: checkpoint.load_for_resume(cfg, model_args), world, ("model", "optimizer", "rng"))
-    if ckpt is not None:
-        run.load_state_dict(ckpt)
-    elif pretrained.is_pretrained(cfg.init_from):
+    ckpt = checkpoint.resume(cfg, model_args, world, run.load_state_dict)
+    if ckpt is None and pretrained.is_pretrained(cfg.init_from):
         ckpt = on_rank0(lambda: {"model": pretrained.load_state(cfg.init_from, raw_model)}, world, ("model",))
         parallel.load_full_state(raw_model, optimizer, world, ckpt["model"] or {})
     del ckpt  # rank 0's whole copy, and under FSDP its whole first model, are garbage now:

@@ -93,6 +93,8 @@ def damage(kind: str, last: Path):
     elif kind == "a part cut short":
         with open(last / "__0_0.distcp", "r+b") as f:
             f.truncate(1000)
+    elif kind == "a part's data zeroed":  # complete by its size: only reading its tensors finds it
+        (last / "__0_0.distcp").write_bytes(bytes((last / "__0_0.distcp").stat().st_size))
     elif kind == "metadata that runs code":
         (last / ".metadata").write_bytes(pickle.dumps(Exploit()))
     elif kind == "metadata garbage":
@@ -105,6 +107,7 @@ def damage(kind: str, last: Path):
     ("no metadata", ".metadata is missing; the save that wrote it did not finish"),
     ("a rank's part missing", "__0_0.distcp (one rank's part) is missing"),
     ("a part cut short", "__0_0.distcp is cut short"),
+    ("a part's data zeroed", "rank 0: its data is damaged (weights_only=True reads nothing but plain tensors)"),
     ("metadata that runs code", "it names pathlib.Path.touch"),
     ("metadata garbage", "its metadata is damaged"),
     ("run.json of another shape", "run.json does not hold a run's state"),
