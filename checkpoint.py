@@ -90,12 +90,16 @@ def locked_out_dir(out_dir, world):
 
 def newest(paths: list) -> list:
     """The checkpoints among `paths` that exist, the most recently written first (not the
-    highest step: a fresh run into a used out_dir makes the old run's last its previous). Nothing
-    is read here: read_first reads each in turn and falls back past an unreadable one."""
-    def written(path):
-        stamp = path / ".metadata" if (path / ".metadata").exists() else path  # a .dcp's commit time
-        return stamp.stat().st_mtime_ns
-    return sorted((p for p in paths if p.exists()), key=written, reverse=True)
+    highest step: a fresh run into a used out_dir makes the old run's last its previous), but
+    never a previous before its own format's last (a copy or a touch can make it look newer).
+    Nothing is read here: read_first reads each in turn and falls back past an unreadable one."""
+    stamps = {p: (p / ".metadata" if (p / ".metadata").exists() else p).stat().st_mtime_ns  # a .dcp's commit
+              for p in paths if p.exists()}
+
+    def key(p):
+        last = stamps.get(p.with_name(f"last{p.suffix}"), stamps[p])
+        return (min(stamps[p], last) if p.name.startswith("previous") else stamps[p]), p.name.startswith("last")
+    return sorted(stamps, key=key, reverse=True)
 
 
 def find(cfg: Config) -> list:

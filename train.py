@@ -161,9 +161,10 @@ class Run:
             raise Diverged(f"the weights hold NaN or inf at step {self.step}", self.cfg.learning_rate, self.saved)
         self.wait_for_save()  # at most one background save in flight
         out_dir, failure = Path(self.cfg.out_dir), None
-        previous = out_dir / f"previous{'.dcp' if self.cfg.checkpoint_format == 'sharded' else '.pt'}"
-        # resumed from previous (past a damaged last), nothing saved since: that last must not replace it
-        rotate = self.resumed_from != str(previous) or self.saved[0] != previous.name
+        last = out_dir / f"last{'.dcp' if self.cfg.checkpoint_format == 'sharded' else '.pt'}"
+        # resumed from another of out_dir's checkpoints, past this last (damaged, or older than the other
+        resumed = Path(self.resumed_from or last)  # format's), nothing saved since: it must not become previous
+        rotate = resumed == last or resumed.parent != out_dir or self.saved[0] != resumed.name
         try:
             if self.cfg.checkpoint_format == "sharded":  # every rank writes its own part
                 self.pending = sharded.save_run(self.raw_model, self.optimizer, self.state_dict(False), out_dir, best,
@@ -178,7 +179,7 @@ class Run:
         if any_rank(failure is not None, self.world):
             raise CheckpointNotWritten(self.step, first_error(failure, self.world), self.saved)
         if self.pending is None:
-            self.saved = (f"last{'.dcp' if self.cfg.checkpoint_format == 'sharded' else '.pt'}", self.step)
+            self.saved = (last.name, self.step)
 
     def wait_for_save(self):
         """Every rank: wait for the background save in flight, if any; all stop if it failed."""

@@ -78,6 +78,32 @@ def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained
     assert [torch.load(out / f"{k}.pt", weights_only=True)["step"] for k in ("previous", "last")] == [5, 10]
 
 
+def test_resume_auto_tries_a_last_before_its_previous_whatever_their_times(tmp_path):
+    """Newest first, but a copied or touched previous.pt no longer goes before last.pt (the
+    save from it, not rotating, then overwrote the good last.pt)."""
+    from checkpoint import newest
+    for name, seconds in (("previous.pt", 300), ("last.pt", 100), ("last.dcp", 200), ("previous.dcp", 50)):
+        path = tmp_path / name
+        if path.suffix == ".dcp":
+            path.mkdir()
+            path = path / ".metadata"
+        path.touch()
+        os.utime(path, (seconds, seconds))
+    assert [p.name for p in newest([tmp_path / n for n in ("last.pt", "previous.pt", "last.dcp", "previous.dcp",
+                                                            "best.pt")])] == [
+        "last.dcp", "last.pt", "previous.pt", "previous.dcp"]
+
+
+def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_previous(trained_copy, char_data):
+    out = trained_copy
+    (out / "last.pt").write_bytes(b"damaged")
+    train_here(char_data, out, max_iters=10, eval_interval=5, resume="auto", checkpoint_format="sharded")
+    # now last.dcp (step 10) is the newest; the first .pt save replaces the damaged last.pt, and
+    # previous.pt (step 5) stays: it once became the damaged file
+    train_here(char_data, out, max_iters=15, eval_interval=5, resume="auto")
+    assert [torch.load(out / f"{k}.pt", weights_only=True)["step"] for k in ("previous", "last")] == [5, 15]
+
+
 @pytest.mark.parametrize("problem, message", [
     ("missing", "nothing to resume from"),
     ("random bytes", "cannot read checkpoint"),
