@@ -51,9 +51,12 @@ def gpt2_from_hf(hf_state, model):
     got = {}
     for name, tensor in hf_state.items():
         name = name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
-        if _is_mask_buffer(name) or name == "lm_head.weight":
-            continue
-        got[name] = tensor.t() if name.endswith(HF_TRANSPOSED) else tensor
+        if not _is_mask_buffer(name):
+            got[name] = tensor.t() if name.endswith(HF_TRANSPOSED) else tensor
+    lm_head = got.pop("lm_head.weight", None)  # tied to wte in GPT-2: a file may hold it again, but not another
+    if lm_head is not None and not torch.equal(lm_head, got.get("transformer.wte.weight", lm_head)):
+        raise ValueError("the GPT-2 weights hold an lm_head.weight other than wte.weight (an untied output "
+                         "layer): this GPT ties the two, as GPT-2 does")
     names = expected.keys() - {"lm_head.weight"}
     for problem, found in (("lack", sorted(names - got.keys())), ("hold an unknown tensor", sorted(got.keys() - names))):
         if found:
@@ -129,19 +132,26 @@ def read_shape(folder: Path) -> dict:
         hf = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{folder / 'config.json'} cannot be read: {first_line(e)}") from None
+    where = folder / "config.json"
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{where} holds a JSON {type(hf).__name__}, not GPT-2's settings (an object)")
     checks = {"model_type": ("gpt2",), "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
-              "n_inner": (None, 4 * hf.get("n_embd", 0)), "scale_attn_weights": (True,),
-              "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,),
-              "layer_norm_epsilon": (1e-5,)}
+              "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
+              "add_cross_attention": (False,), "layer_norm_epsilon": (1e-5,), "tie_word_embeddings": (True,)}
     for key, allowed in checks.items():
         if key in hf and hf[key] not in allowed or key == "model_type" and hf.get(key) != "gpt2":
-            raise ConfigError(f"{folder / 'config.json'}: {key}={hf.get(key)!r}, but this GPT is GPT-2's "
+            raise ConfigError(f"{where}: {key}={hf.get(key)!r}, but this GPT is GPT-2's "
                               f"architecture ({key} in {allowed})")
-    try:
-        shape = dict(n_layer=int(hf["n_layer"]), n_head=int(hf["n_head"]), n_embd=int(hf["n_embd"]),
-                     block_size=int(hf["n_positions"]), vocab_size=int(hf["vocab_size"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{folder / 'config.json'} lacks a valid {first_line(e)}") from None
+    names = dict(n_layer="n_layer", n_head="n_head", n_embd="n_embd", block_size="n_positions", vocab_size="vocab_size")
+    bad = next((n for n in names.values() if type(hf.get(n)) is not int or hf[n] < 1), None)
+    if bad:
+        raise ConfigError(f"{where} holds {bad}={hf.get(bad)!r}: GPT-2's config.json gives "
+                          f"{', '.join(names.values())} as whole numbers of at least 1")
+    shape = {ours: hf[theirs] for ours, theirs in names.items()}
+    if shape["n_embd"] % shape["n_head"] or hf.get("n_inner") not in (None, 4 * shape["n_embd"]):
+        raise ConfigError(f"{where}: n_embd={shape['n_embd']} with n_head={shape['n_head']} and "
+                          f"n_inner={hf.get('n_inner')}, but GPT-2 splits n_embd evenly among its heads and its MLP "
+                          f"is 4 x n_embd wide (n_inner null or {4 * shape['n_embd']})")
     # Before a model of that shape is built (n_layer=10**6 would not fit in memory): no weight file
     # holds under a byte a weight. A smaller mismatch is named tensor by tensor in gpt2_from_hf.
     weights = next(folder / f for f in WEIGHT_FILES if (folder / f).is_file())

@@ -4,6 +4,7 @@ Offline: the "GPT-2" here is a randomly initialised transformers GPT2LMHeadModel
 vocabulary, saved into a temporary folder, never the released weights."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -159,6 +160,23 @@ def test_config_json_of_another_architecture_or_size_is_refused(tmp_path):
     pretrained.locate.cache_clear()
     with pytest.raises(ConfigError, match=r"a model of [\d,]+ weights, but .*model\.safetensors holds [\d,]+ bytes"):
         pretrained.load_gpt(str(tmp_path))
+    # a hand-edited config.json: one line each, not a traceback or a silent int() of 2.5 or true
+    for change, message in (([1, 2], "holds a JSON list, not GPT-2's settings"),
+                            ({"n_head": 0}, "holds n_head=0: GPT-2's config.json gives"),
+                            ({"n_positions": -5}, "holds n_positions=-5"), ({"vocab_size": 2.5}, "vocab_size=2.5"),
+                            ({"n_layer": True}, "n_layer=True"), ({"n_head": 3}, "n_embd=32 with n_head=3"),
+                            ({"n_inner": 64}, "its MLP is 4 x n_embd wide (n_inner null or 128)"),
+                            ({"tie_word_embeddings": False}, "tie_word_embeddings=False")):
+        (tmp_path / "config.json").write_text(json.dumps(change if isinstance(change, list) else {**config, **change}))
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            pretrained.read_shape(tmp_path)
+
+
+def test_an_untied_lm_head_is_refused_not_dropped():
+    hf = hf_model()
+    state = {**hf.state_dict(), "lm_head.weight": torch.randn_like(hf.state_dict()["lm_head.weight"])}
+    with pytest.raises(ValueError, match="an lm_head.weight other than wte.weight"):
+        gpt2_from_hf(state, GPT(GPTConfig(**HF_SHAPE_OURS)))
 
 
 # --- train.py --init_from ---------------------------------------------------------------------
