@@ -58,7 +58,7 @@ def check(args):
 def load_model(args, device) -> tuple:
     """(model in eval mode, its meta, a name for it) through the repo's one loader of each kind."""
     if args.init_from:
-        return pretrained.load_gpt(args.init_from, device), {"tokenizer": "gpt2"}, args.init_from
+        return *pretrained.load_for_text(args.init_from, device), args.init_from
     model, meta, path, step = checkpoint.load_model(Path(args.out_dir), device)
     return model, meta, f"{path} (step {step})"
 

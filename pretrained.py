@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from config import GPT2_NAMES
-from data.dataset import GPT2_EOT
+from data.dataset import GPT2_EOT, GPT2_VOCAB_SIZE
 from errors import ConfigError, first_line
 from model import GPT, GPTConfig
 
@@ -202,6 +202,17 @@ def load_gpt(init_from: str, device="cpu") -> GPT:
     model = GPT(GPTConfig(**shape, bias=True, dropout=0.0))
     model.load_state_dict(load_state(init_from, model))
     return model.eval().to(device)
+
+
+def load_for_text(init_from: str, device) -> tuple:
+    """(load_gpt's model, its tokenizer's meta) for sample.py and eval.py: a Hugging Face folder
+    brings no tokenizer here but GPT-2's BPE, so its vocabulary must be GPT-2's."""
+    model = load_gpt(init_from, device)
+    if model.config.vocab_size != GPT2_VOCAB_SIZE:
+        raise ConfigError(f"{init_from} has a vocabulary of {model.config.vocab_size} tokens, not GPT-2's BPE "
+                          f"({GPT2_VOCAB_SIZE}), the one tokenizer --init_from reads text with: use the run's "
+                          f"checkpoint and meta.json instead (--out_dir)")
+    return model, {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE}
 
 
 def export(model: GPT, folder, gpt2_tokenizer: bool):

@@ -88,7 +88,7 @@ def main(argv=None):
     check(args)
     device = pick_device(args.device, World())
     if args.init_from:
-        model, meta, path, step = pretrained.load_gpt(args.init_from, device), {"tokenizer": "gpt2"}, args.init_from, 0
+        (model, meta), path, step = pretrained.load_for_text(args.init_from, device), args.init_from, 0
     else:
         model, meta, path, step = checkpoint.load_model(Path(args.out_dir), device)
     try:

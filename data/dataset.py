@@ -218,6 +218,9 @@ def load_meta(data_dir) -> dict:
     if meta["tokenizer"] == "char" and len(meta.get("chars", "")) != meta["vocab_size"]:
         raise ValueError(f"{path}: a char vocabulary of {len(meta.get('chars', ''))} characters, but "
                          f"vocab_size {meta['vocab_size']}: {again}")
+    if meta["tokenizer"] == "gpt2" and meta["vocab_size"] != GPT2_VOCAB_SIZE:
+        raise ValueError(f"{path}: tokenizer gpt2, but vocab_size {meta['vocab_size']} (GPT-2's BPE has "
+                         f"{GPT2_VOCAB_SIZE} tokens): {again}")
     if "shards" in meta and (problem := _valid_shard_list(meta)):
         raise ValueError(f"{path}: {problem}: {again}")
     return meta

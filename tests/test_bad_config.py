@@ -192,6 +192,8 @@ CASES = [
      r"meta\.json: chars is 123, not the vocabulary's characters"),
     ("meta.json chars disagree", [], lambda d, m: rewrite_meta(d, chars="abc"),
      r"meta\.json: a char vocabulary of 3 characters, but vocab_size"),
+    ("meta.json gpt2 of another size", [], lambda d, m: rewrite_meta(d, tokenizer="gpt2"),
+     r"meta\.json: tokenizer gpt2, but vocab_size \d+ \(GPT-2's BPE has 50257 tokens\)"),
     ("bin not whole tokens", [], lambda d, m: append_bytes(d, "train", b"\0"),
      r"train\.bin is 108027 bytes, not a whole number of uint16 tokens"),
     ("bin token count", [], lambda d, m: append_bytes(d, "val", b"\0\0"),

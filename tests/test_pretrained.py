@@ -315,7 +315,7 @@ def test_exported_tokenizer_files_encode_as_tiktoken(tmp_path):
     assert len(tok) == 50257
 
 
-def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data, train, script):
+def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data, train, script, fails_with):
     out = tmp_path / "out"
     train(tiny_args(char_data, out, max_iters=2, eval_interval=2))
     (tmp_path / "hf").mkdir()  # what a GPT-2 export or download left there is removed
@@ -326,6 +326,10 @@ def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data,
     assert sorted(f.name for f in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     assert hf.config.vocab_size == json.loads((out / "meta.json").read_text())["vocab_size"]
+    # no tokenizer for its characters comes with it: sample.py and eval.py refuse it as text
+    for cmd in ("sample.py", "eval.py"):
+        fails_with([cmd, f"--init_from={tmp_path / 'hf'}", "--device=cpu"], f"has a vocabulary of {hf.config.vocab_size} "
+                   "tokens, not GPT-2's BPE (50257)", "(--out_dir)")
 
 
 def test_export_bad_input_is_one_line(tmp_path, fails_with):
