@@ -71,10 +71,13 @@ def find_world() -> World:
     """Read ranks from torchrun or manual variables, else from SLURM, else one process."""
     env, world = os.environ, World()
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
-             "SLURM_LOCALID", "SLURM_NODEID")
+             "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID")
     bad = {k: env[k] for k in names if k in env and not (env[k].isascii() and env[k].isdigit())}
     if bad:
         raise ConfigError(f"rank variables must be whole numbers, got {bad}: check the launch command")
+    if ("RANK" in env) != ("WORLD_SIZE" in env):  # else one process would train, silently alone
+        raise ConfigError(f"{'RANK' if 'RANK' in env else 'WORLD_SIZE'} is set but "
+                          f"{'WORLD_SIZE' if 'RANK' in env else 'RANK'} is not: set both (or neither)")
     if "RANK" in env and "WORLD_SIZE" in env:
         size = int(env["WORLD_SIZE"])
         world = World(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), size, int(env.get("LOCAL_WORLD_SIZE", size)))
@@ -85,9 +88,14 @@ def find_world() -> World:
         nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         env.setdefault("MASTER_ADDR", slurm_first_host(nodes))
         env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
-        per_node = slurm_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", env["SLURM_NTASKS"]))
-        world = World(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)),
-                      int(env["SLURM_NTASKS"]), per_node[int(env.get("SLURM_NODEID", 0))])
+        counts, node = env.get("SLURM_STEP_TASKS_PER_NODE", env["SLURM_NTASKS"]), int(env.get("SLURM_NODEID", 0))
+        per_node = slurm_tasks_per_node(counts) if re.fullmatch(r"\d+(\(x\d+\))?(,\d+(\(x\d+\))?)*", counts) else []
+        if "SLURM_PROCID" not in env or node >= len(per_node):
+            raise ConfigError(f"srun's variables do not describe this task (SLURM_PROCID={env.get('SLURM_PROCID')}, "
+                              f"SLURM_NODEID={node}, SLURM_STEP_TASKS_PER_NODE={counts!r}): launch with srun, "
+                              f"or unset SLURM_STEP_ID for one process")
+        world = World(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"]),
+                      per_node[node])
     if not (world.rank < world.size and world.local_rank < world.local_size):  # else peers never come
         raise ConfigError(f"rank {world.rank} (local rank {world.local_rank}) cannot be in a world of {world.size} "
                           f"processes ({world.local_size} on this host): check the launch command")

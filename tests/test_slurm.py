@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from errors import ConfigError
 from world import World, find_world, slurm_first_host
 from harness import EXPECTED_FILES, REPO, child_env, ckpt, metrics, tiny_args, wait_for
 from slurm_cluster import SlurmCluster, missing
@@ -136,11 +137,30 @@ TWO_NODES_4_EACH = dict(  # srun -N 2 --ntasks-per-node=4, task 5 (second node, 
 ], ids=["srun-one-host", "two-nodes", "two-nodes-no-ntasks-per-node", "uneven-nodes",
         "step-on-second-node", "master-set-by-hand", "torchrun-in-srun", "sbatch-script-itself"])
 def test_find_world_maps_slurm_variables(monkeypatch, env, world, master):
-    # A private environment: find_world may fill in MASTER_ADDR/PORT, and that must not leak.
+    fake = private_env(monkeypatch, env)
+    assert find_world() == world
+    assert (fake.get("MASTER_ADDR"), fake.get("MASTER_PORT")) == master
+
+
+def private_env(monkeypatch, env: dict) -> dict:
+    """A private environment: find_world may fill in MASTER_ADDR/PORT, and that must not leak."""
     fake = {k: v for k, v in os.environ.items()
             if not k.startswith("SLURM_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                         "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     fake.update({k: v for k, v in env.items() if v is not None})
     monkeypatch.setattr(os, "environ", fake)
-    assert find_world() == world
-    assert (fake.get("MASTER_ADDR"), fake.get("MASTER_PORT")) == master
+    return fake
+
+
+@pytest.mark.parametrize("env, message", [
+    ({**TWO_NODES_4_EACH, "SLURM_STEP_TASKS_PER_NODE": "abc"}, "SLURM_STEP_TASKS_PER_NODE='abc'): launch with srun"),
+    ({**TWO_NODES_4_EACH, "SLURM_NODEID": "2"}, "SLURM_NODEID=2, SLURM_STEP_TASKS_PER_NODE='4(x2)'"),
+    ({**TWO_NODES_4_EACH, "SLURM_PROCID": None}, "(SLURM_PROCID=None,"),
+    ({**TWO_NODES_4_EACH, "SLURM_JOB_ID": "abc"}, "got {'SLURM_JOB_ID': 'abc'}"),
+    ({"RANK": "1"}, "RANK is set but WORLD_SIZE is not: set both"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE is set but RANK is not"),
+])
+def test_bad_rank_variables_are_one_line_not_a_traceback_or_one_process(monkeypatch, env, message):
+    private_env(monkeypatch, env)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        find_world()
