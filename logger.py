@@ -22,7 +22,7 @@ def read_metrics(path: Path, verb: str) -> list:
             row = json.loads(line)
             row["step"] = int(row["step"])
             rows.append(row)
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, OverflowError, RecursionError):  # 1e999; [[[[...
             torn += 1
     if torn:
         print(f"warning: {verb} {torn} unreadable line{'s' * (torn > 1)} of {path} (a write cut short)", flush=True)

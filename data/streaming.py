@@ -216,8 +216,9 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
     route(doc) names a document's stream; split_of_shard[stream](n) the split of its n-th shard.
     `settings` (whatever decides the output) must match to resume. `counts`, documents per
     file, may be known beforehand (a split by document needs them)."""
-    if shard_tokens < 1 or workers < 1:
-        raise ValueError(f"--shard_tokens ({shard_tokens}) and --workers ({workers}) must be positive")
+    if not 1 <= shard_tokens < 2**31 or workers < 1:  # a shard's header counts its tokens in an int32
+        raise ValueError(f"--shard_tokens ({shard_tokens}) must be 1 to 2**31 - 1 and --workers ({workers}) "
+                         f"positive")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out_dir)  # a shard cut short when a previous run was killed
@@ -267,7 +268,7 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
         if pending is not None:
             take(pending.get())
     bar.close()
-    return _finish(source, out_dir, streams, counts, settings, shard_tokens, bar.n, on_shard)
+    return _finish(source, out_dir, streams, counts, settings, shard_tokens, on_shard)
 
 
 def _blocks(items: Iterator, size: int) -> Iterator[list]:
@@ -283,9 +284,10 @@ def _blocks(items: Iterator, size: int) -> Iterator[list]:
 
 
 def _finish(source: Source, out_dir: Path, streams: dict, counts: list, settings: dict, shard_tokens: int,
-            tokens: int, on_shard) -> dict:
+            on_shard) -> dict:
     """Write each stream's last shard and meta.json, once the corpus is known to give both splits."""
     end_doc = sum(counts)
+    tokens = sum(sh["tokens"] for s in streams.values() for sh in s.shards) + sum(s.filled for s in streams.values())
     if not end_doc:
         raise ValueError(f"the corpus holds no documents ({', '.join(source.names)})")
     splits = {sh["split"] for s in streams.values() for sh in s.shards} | {

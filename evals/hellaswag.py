@@ -74,7 +74,7 @@ def parse_line(line: str, where: str) -> tuple:
     """(ctx, endings, label) of one line of the official format, or a ConfigError naming it."""
     try:
         example = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep for the parser
         raise ConfigError(f"{where} is not JSON: {line[:60]!r}") from None
     if not isinstance(example, dict):
         raise ConfigError(f"{where} is not a JSON object with ctx, endings and label")

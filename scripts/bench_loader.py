@@ -87,6 +87,8 @@ def main():
     if args.block_size < 1 or args.batch_size < 1:
         raise ConfigError("--block_size and --batch_size must be positive")
     smallest = 2 * 20 * 2 * args.block_size  # uint16: each of 20 shards holds a window at any offset (loader.py)
+    if max(sizes) > 10**12:  # sparse files, but past a terabyte the file system or the window index gives out
+        raise ConfigError(f"--sizes: {max(sizes):,} bytes is more than this benchmark makes (at most 1e12)")
     if min(sizes) < smallest:
         raise ConfigError(f"--sizes: {min(sizes):,} bytes is too small for block_size={args.block_size} "
                           f"(20 shards of a window each): give at least {smallest:,}")

@@ -116,14 +116,15 @@ def test_plot_runs_overlays_two_runs(tmp_path, char_data, script):
 
 def test_plot_runs_tells_same_named_folders_apart_and_skips_unreadable_lines(tmp_path, script):
     good = '{"step": 1, "loss": 3.0, "tokens_seen": 128}\n'
-    for exp, bad in (("exp1", '[1, 2]\n{"step": null, "loss": 1.0}\n'), ("exp2", '{"step": 2, "loss": 2.9, "tok')):
+    for exp, bad in (("exp1", '[1, 2]\n{"step": null, "loss": 1.0}\n{"step": 1e999}\n' + "[" * 100_000 + "\n"),
+                     ("exp2", '{"step": 2, "loss": 2.9, "tok')):
         (tmp_path / exp / "out").mkdir(parents=True)
         (tmp_path / exp / "out" / "metrics.jsonl").write_text(good + bad)
     (tmp_path / "exp2" / "out" / "config.json").write_text('{"run": 5}')  # not train.py's
     proc = script("scripts/plot_runs.py", tmp_path / "exp1" / "out", tmp_path / "exp2" / "out",
                   f"--out={tmp_path / 'runs.png'}")
     assert proc.returncode == 0 and proc.stdout.splitlines() == [
-        f"warning: skipped 2 unreadable lines of {tmp_path}/exp1/out/metrics.jsonl (a write cut short)",
+        f"warning: skipped 4 unreadable lines of {tmp_path}/exp1/out/metrics.jsonl (a write cut short)",
         f"warning: skipped 1 unreadable line of {tmp_path}/exp2/out/metrics.jsonl (a write cut short)",
         f"2 runs -> {tmp_path / 'runs.png'}"], proc.stdout + proc.stderr
 

@@ -138,6 +138,7 @@ def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path
 
 @pytest.mark.parametrize("line, needle", [
     ("{not json", "is not JSON"),
+    ("[" * 100_000, "is not JSON"),  # nested past the parser's recursion limit
     ('{"ctx": "a", "label": 0}', "lacks endings"),
     ('{"ctx": "a", "endings": ["b", "c", "d"], "label": 0}', "endings must be a list of 4 strings, got 3 items"),
     ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 4}', "label must be 0, 1, 2 or 3"),

@@ -239,7 +239,8 @@ def test_epochs_over_shards_never_repeat_a_window_and_resume_on_the_boundary(cha
      "c.txt is not UTF-8 text (invalid continuation byte at byte 3)"),
     (lambda d: pq.write_table(pa.table({"content": ["x"]}), d / "c.parquet"), "c.parquet has no 'text' column"),
     (lambda d: (d / "c.jsonl").write_text(""), "the corpus holds no documents"),
-    (lambda d: (d / "c.txt").write_text("a short corpus"), "gives no train shard: too small for --shard_tokens"),
+    (lambda d: (d / "c.txt").write_text("a short corpus"),  # the count once came from the progress bar: 0 here
+     "the corpus (1 documents, 4 tokens) gives no train shard: too small for --shard_tokens"),
 ])
 def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script, make, message):
     corpus = tmp_path / "corpus"
@@ -250,6 +251,9 @@ def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script,
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1
     assert not list(out.glob("*.bin")) and not (out / "meta.json").exists()
+    if "short" in message:  # a shard past what its header can count: refused before a buffer is made
+        proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--shard_tokens=3000000000")
+        assert proc.returncode == 2 and "must be 1 to 2**31 - 1" in proc.stderr, proc.stderr
 
 
 class ConnectError(Exception):
