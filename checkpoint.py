@@ -165,8 +165,37 @@ def load(path: Path, model_args: dict, cfg: Config) -> dict:
             raise ConfigError(
                 f"{path} was trained with {name}={ckpt['config'].get(name)}; resuming with "
                 f"{getattr(cfg, name)} would change the data order: keep {name} or use --resume=never")
+    if problem := malformed(ckpt, model_args, cfg):
+        raise ConfigError(f"{path}: {problem}: it was not written by this train.py as it is (edited by hand?)")
     ckpt["path"] = str(path)
     return ckpt
+
+
+def malformed(ckpt: dict, model_args: dict, cfg: Config):
+    """What among a checkpoint's values a resume could not take (a hand edit), or None: checked
+    here, on rank 0, so it is one line on every rank and not a traceback in Run.load_state_dict."""
+    loader, number = ckpt["loader"], lambda v: type(v) in (int, float)
+    if type(ckpt["step"]) is not int or ckpt["step"] < 0 or type(ckpt["world_size"]) is not int:
+        return f"step {ckpt['step']!r} or world_size {ckpt['world_size']!r} is not a whole number"
+    if not number(ckpt["best_val_loss"]) or not isinstance(ckpt["scaler"], dict):
+        return f"best_val_loss {ckpt['best_val_loss']!r} or the scaler's state is not one"
+    if not (isinstance(loader, dict) and all(type(loader.get(k)) is int for k in ("epoch", "position"))
+            and loader["position"] >= 0 and loader["position"] % cfg.global_batch_size == 0):
+        return f"loader {loader!r} is not a whole epoch and a position that is a multiple of global_batch_size"
+    if ckpt["model"] is None:  # a sharded checkpoint: DCP checks its tensors as it reads them
+        return None
+    with torch.device("meta"):  # the shapes, for nothing
+        expected = GPT(GPTConfig(**model_args)).state_dict()
+    weights = ckpt["model"] if isinstance(ckpt["model"], dict) else {}
+    wrong = [k for k, v in expected.items()
+             if not isinstance(weights.get(k), torch.Tensor) or weights[k].shape != v.shape]
+    if wrong:
+        return f"model weight {wrong[0]} is missing or of another shape"
+    optimizer = ckpt["optimizer"]
+    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict)
+            and isinstance(optimizer.get("param_groups"), list) and len(optimizer["param_groups"]) == 2):
+        return "optimizer is not AdamW's state of two parameter groups"
+    return None
 
 
 def read_first(paths: list, use):

@@ -109,8 +109,15 @@ def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_prev
     ("random bytes", "cannot read checkpoint"),
     ("other shape", "holds another model shape"),
     ("unknown format", "checkpoint format 99 is not 1"),
+    # hand edits, each once a traceback from Run.load_state_dict: one line, on every rank
+    ({"step": "10"}, "step '10' or world_size 1 is not a whole number"),
+    ({"loader": {"epoch": 0}}, "loader {'epoch': 0} is not a whole epoch and a position"),
+    ({"loader": {"epoch": 0, "position": 3}}, "a position that is a multiple of global_batch_size"),
+    ({"optimizer": {}}, "optimizer is not AdamW's state of two parameter groups"),
+    ({"model": {}}, "model weight transformer.wte.weight is missing or of another shape"),
 ])
 def test_bad_checkpoints_are_clear_errors_naming_the_file(trained_copy, tmp_path, script, problem, message):
+    """(a dict: a checkpoint with those values changed)"""
     out = trained_copy
     path = tmp_path / "given.pt"
     overrides = {}
@@ -119,9 +126,9 @@ def test_bad_checkpoints_are_clear_errors_naming_the_file(trained_copy, tmp_path
     elif problem == "other shape":
         shutil.copy(out / "last.pt", path)
         overrides = {"n_embd": 64}
-    elif problem == "unknown format":
+    elif problem != "missing":
         ckpt = torch.load(out / "last.pt", weights_only=True)
-        torch.save({**ckpt, "format": 99}, path)
+        torch.save({**ckpt, **({"format": 99} if problem == "unknown format" else problem)}, path)
     proc = script("train.py", *tiny_args(data_dir_of(out), out, resume=str(path), **overrides))
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and str(path) in proc.stderr and "Traceback" not in proc.stderr
