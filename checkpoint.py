@@ -271,7 +271,7 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
         raise ConfigError(f"{meta_path} is missing: train.py writes it beside the checkpoint; copy "
                           f"the dataset's meta.json there")
     try:
-        meta = load_meta(out_dir)
+        meta = load_meta(out_dir, fix="copy the dataset's meta.json there (train.py copied it from the dataset)")
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if meta["vocab_size"] != model.config.vocab_size:

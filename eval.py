@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--hellaswag", default="", help="a local hellaswag_val.jsonl (default: the cached copy)")
     p.add_argument("--limit", type=int, default=0, help="evaluate the first N examples only (0 = all)")
     p.add_argument("--dataset", default="", help="also the loss on this dataset's val split")
-    p.add_argument("--data_dir", default="", help="that dataset's folder (default data/<dataset>)")
+    p.add_argument("--data_dir", default="", help="that dataset's folder (default data/<dataset>), or any one")
     p.add_argument("--val_windows", type=int, default=200, help="val windows of block_size tokens for the loss")
     p.add_argument("--batch_size", type=int, default=16, help="sequences per forward (4 per HellaSwag example)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
@@ -84,7 +84,7 @@ def main(argv=None):
         try:  # a rank whose copy of something is missing stops every rank, with its message
             model, meta, name = load_model(args, world.device)
             hellaswag.check_tokenizer(meta, name)
-            val = val_split(args, model) if args.dataset else None
+            val = val_split(args, model) if args.dataset or args.data_dir else None
             examples = hellaswag.load(args.hellaswag, model.config.block_size, args.limit)
         except ConfigError as e:
             error = str(e)
@@ -98,7 +98,7 @@ def main(argv=None):
     if world.is_master:
         print(f"# {name}, {world.size} process{'es' if world.size > 1 else ''}")
         if val is not None:
-            print(f"{args.dataset} val loss {loss:.4f} over {len(val[1])} windows of {model.config.block_size} tokens")
+            print(f"{args.dataset or args.data_dir} val loss {loss:.4f} over {len(val[1])} windows of {model.config.block_size} tokens")
         if score.truncated:
             print(f"note: {score.truncated} contexts were longer than block_size "
                   f"({model.config.block_size}) and lost tokens from their left")

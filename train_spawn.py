@@ -36,6 +36,9 @@ def worker(rank: int, nproc: int, args: list[str]):
 
 def main(argv=None):
     args = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in args or "--help" in args:  # this launcher's usage, then train.py's settings
+        print(__doc__)
+        return train.cli(["--help"])
     nproc = torch.cuda.device_count() or 2
     nproc_args = [a for a in args if a.startswith("--nproc=")]
     args = [a for a in args if not a.startswith("--nproc=")]

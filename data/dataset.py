@@ -186,11 +186,11 @@ def _valid_shard_list(meta: dict) -> str:
     return ""
 
 
-def load_meta(data_dir) -> dict:
+def load_meta(data_dir, fix: str = "") -> dict:
     """meta.json of a prepared dataset (or the meta of a folder of shards without one); a clear
-    error when the dataset is missing or incomplete."""
+    error when the dataset is missing or incomplete, ending in `fix` (default: prepare it again)."""
     path = Path(data_dir) / "meta.json"
-    again = _prepare_again(data_dir)
+    again = fix or _prepare_again(data_dir)
     if not path.is_file():
         if (Path(data_dir) / PROGRESS).is_file():  # its shards are not the whole corpus
             raise ValueError(f"{data_dir} holds an unfinished preparation ({PROGRESS} and no meta.json): run the "

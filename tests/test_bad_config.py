@@ -408,11 +408,14 @@ def test_wandb_that_cannot_start_is_one_line(char_data, tmp_path, script, monkey
 
 
 def test_help_lists_every_config_name_with_its_default(capsys):
+    import train_spawn
     train.cli(["--help"])
     printed = capsys.readouterr().out
     assert printed.startswith(train.__doc__)
     for name, value in Config().to_dict().items():
         assert f"--{name}={value if isinstance(value, str) else repr(value)}\n" in printed
+    train_spawn.main(["--help"])  # its own usage first (it once took --help for a bad override)
+    assert capsys.readouterr().out == f"{train_spawn.__doc__}\n{printed}"
 
 
 @pytest.mark.parametrize("rank, size, message", [

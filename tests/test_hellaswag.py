@@ -245,8 +245,12 @@ def test_eval_py_scores_a_checkpoint_with_its_dataset_loss(straight, bpe_data, s
     final = hellaswag_rows(straight)[-1]
     assert out[-1] == (f"hellaswag: acc {final['hellaswag_acc']:.4f} acc_norm {final['hellaswag_acc_norm']:.4f} "
                        f"over 10 examples")
-    last = run_eval(["--out_dir", straight, "--hellaswag", small_file, "--limit=3"], capsys)[-1]
-    assert LINE.fullmatch(last) and last.endswith("over 3 examples")
+    # --data_dir alone is a dataset too (its loss was once skipped without a word)
+    out = run_eval(["--out_dir", straight, "--hellaswag", small_file, "--limit=3", "--data_dir", bpe_data,
+                    "--val_windows=8"], capsys)
+    assert any(re.fullmatch(rf"{re.escape(str(bpe_data))} val loss \d+\.\d{{4}} over 8 windows of 16 tokens", line)
+               for line in out)
+    assert LINE.fullmatch(out[-1]) and out[-1].endswith("over 3 examples")
 
 
 def test_a_character_level_model_is_refused(char_data, small_file, tmp_path, capsys):
