@@ -179,7 +179,7 @@ def load_file(path: str) -> dict:
     try:
         exec(compile(source, path, "exec"), namespace)
     except SyntaxError as e:
-        raise ConfigError(f"{path}, line {e.lineno}: syntax error: {e.msg}") from None
+        raise ConfigError(f"{path}{f', line {e.lineno}' if e.lineno else ''}: syntax error: {e.msg}") from None
     except (Exception, SystemExit) as e:  # a config file may not end the program
         lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
         where = f"{path}, line {lines[-1]}" if lines else path

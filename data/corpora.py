@@ -136,7 +136,7 @@ def load_corpus(out_dir, input_path=None) -> tuple:
     if input_path is not None:
         path = Path(input_path).resolve()
         if not path.is_file():
-            raise FileNotFoundError(f"input file {input_path} does not exist")
+            raise FileNotFoundError(f"input file {input_path} {'is a folder' if path.is_dir() else 'does not exist'}")
         data = path.read_bytes()
         try:
             text = data.decode("utf-8")

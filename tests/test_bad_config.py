@@ -96,6 +96,12 @@ def config_file_with_a_syntax_error(data):
     return [str(path)]
 
 
+def config_file_with_a_nul_byte(data):
+    path = data.parent / "nul.py"
+    path.write_text("n_layer = 2\0\n")
+    return [str(path)]
+
+
 def write_bytes(path, data: bytes):
     path.write_bytes(data)
     return path
@@ -134,6 +140,8 @@ CASES = [
     ("config file that raises", config_file_that_raises, None,
      r"raises\.py, line 2: ZeroDivisionError: division by zero"),
     ("config file syntax error", config_file_with_a_syntax_error, None, r"syntax\.py, line 1: syntax error"),
+    ("config file with a NUL byte", config_file_with_a_nul_byte, None,
+     r"nul\.py: syntax error: source code string cannot contain null bytes"),  # no "line None"
     ("n_embd and n_head", ["--n_embd=33"], None, r"n_embd \(33\) must be divisible by n_head \(2\)"),
     ("zero layers", ["--n_layer=0"], None, r"n_layer must be positive, got 0"),
     ("negative batch", ["--batch_size=-4"], None, r"batch_size must be positive, got -4"),

@@ -226,7 +226,8 @@ def test_prepare_with_bad_input_exits_2_and_writes_nothing(tmp_path, script, nam
     latin1.write_bytes("caf\u00e9\n".encode("latin-1"))
     out = tmp_path / "out"
     for given, message in ((tmp_path / "missing.txt", f"input file {tmp_path / 'missing.txt'} does not exist"),
-                           (latin1, f"input file {latin1} is not UTF-8 text (byte 0xe9 at offset 3)")):
+                           (latin1, f"input file {latin1} is not UTF-8 text (byte 0xe9 at offset 3)"),
+                           (tmp_path, f"input file {tmp_path} is a folder")):
         proc = script(f"data/{name}/prepare.py", "--input", given, "--out_dir", out)
         assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
         assert "Traceback" not in proc.stderr and not out.exists()
