@@ -321,9 +321,7 @@ def measure(strategies: list, nprocs: list, cfg_args: list, steps: int, warmup: 
                 cmd += [f"--synthetic_dir={tmp}"] if synthetic(cfg_args) else []
                 cmd += ["--profile"] if profile else []
                 print(f"--- {strategy}, {n} process{'es' if n > 1 else ''}", flush=True)
-                # in the caller's folder, as train.py would be: a relative config, --data_dir or
-                # --report means the same in the workers as here
-                proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # here: relative paths as given
                 if proc.returncode:
                     raise ConfigError(f"the {strategy} run on {n} processes failed (exit {proc.returncode}): "
                                       f"see its output above")

@@ -217,8 +217,7 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
     `settings` (whatever decides the output) must match to resume. `counts`, documents per
     file, may be known beforehand (a split by document needs them)."""
     if not 1 <= shard_tokens < 2**31 or workers < 1:  # a shard's header counts its tokens in an int32
-        raise ValueError(f"--shard_tokens ({shard_tokens}) must be 1 to 2**31 - 1 and --workers ({workers}) "
-                         f"positive")
+        raise ValueError(f"--shard_tokens ({shard_tokens}) must be 1 to 2**31 - 1, --workers ({workers}) positive")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out_dir)  # a shard cut short when a previous run was killed
