@@ -184,7 +184,7 @@ def malformed(ckpt: dict, model_args: dict, cfg: Config):
         return f"loader {loader!r} is not a whole epoch and a position that is a multiple of global_batch_size"
     if ckpt["model"] is None:  # a sharded checkpoint: DCP checks its tensors as it reads them
         return None
-    with torch.device("meta"):  # the shapes, for nothing
+    with torch.device("meta"):  # shapes only: no memory, whatever the size
         expected = GPT(GPTConfig(**model_args)).state_dict()
     weights = ckpt["model"] if isinstance(ckpt["model"], dict) else {}
     wrong = [k for k, v in expected.items()
@@ -218,8 +218,11 @@ def resume(cfg: Config, model_args: dict, world, restore):
     damaged = {}
     while True:
         ckpt = on_rank0(lambda: load_for_resume(cfg, model_args, damaged), world, ("model", "optimizer", "rng"))
+        if ckpt is None:
+            return None
         try:
-            return ckpt if ckpt is None else (restore(ckpt), ckpt)[1]
+            restore(ckpt)
+            return ckpt
         except UnreadableCheckpoint as e:
             if not ckpt.get("sharded"):
                 raise
