@@ -162,8 +162,9 @@ class Run:
         self.wait_for_save()  # at most one background save in flight
         out_dir, failure = Path(self.cfg.out_dir), None
         last = out_dir / f"last{'.dcp' if self.cfg.checkpoint_format == 'sharded' else '.pt'}"
-        # resumed from another of out_dir's checkpoints, past this last (damaged, or older than the other
-        resumed = Path(self.resumed_from or last)  # format's), nothing saved since: it must not become previous
+        # resumed from another of out_dir's checkpoints than this last (it was damaged, or older than
+        # the other format's last), nothing saved since: this last must not become previous
+        resumed = Path(self.resumed_from or last)
         rotate = resumed == last or resumed.parent != out_dir or self.saved[0] != resumed.name
         try:
             if self.cfg.checkpoint_format == "sharded":  # every rank writes its own part
