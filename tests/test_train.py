@@ -137,14 +137,17 @@ class Info(ctypes.Structure):
                 "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
 world.place("cpu", "float32", "auto")
 torch.ones(16 << 20, dtype=torch.uint8).sum()  # freed at once: glibc would raise its threshold to 16 MB
 mapped = libc.mallinfo2().hblkhd
 x = torch.ones(8 << 20, dtype=torch.uint8)
 print(libc.mallinfo2().hblkhd - mapped)
-y = torch.ones(3 << 20, dtype=torch.uint8)  # under 4 MB: from the heap's top, which it leaves free
-del y
-print(libc.mallinfo2().keepcost)  # the free top the heap keeps
+# under 4 MB: from the heap's top, which its free leaves free. (Not a tensor: the tensor's own small
+# bookkeeping, allocated after its data and held in a cache when freed, could sit above it, about half the time.)
+y = libc.malloc(3 << 20)
+libc.free(ctypes.c_void_p(y))
+print(libc.mallinfo2().keepcost)  # the free top the heap keeps (about 130 KB without the trim threshold)
 """
 
 
