@@ -196,9 +196,9 @@ def load_state(init_from: str, model: GPT) -> dict:
         raise ConfigError(f"cannot read {path} ({type(e).__name__}: {first_line(e)})") from None
 
 
-def load_gpt(init_from: str, device="cpu") -> GPT:
-    """A released or local GPT-2 as our GPT, in eval mode (for sampling)."""
-    shape = read_shape(locate(init_from))
+def load_gpt(init_from: str, device="cpu", shape: dict = None) -> GPT:
+    """A released or local GPT-2 as our GPT, in eval mode (for sampling); `shape`: its read_shape."""
+    shape = shape or read_shape(locate(init_from))
     model = GPT(GPTConfig(**shape, bias=True, dropout=0.0))
     model.load_state_dict(load_state(init_from, model))
     return model.eval().to(device)
@@ -207,12 +207,12 @@ def load_gpt(init_from: str, device="cpu") -> GPT:
 def load_for_text(init_from: str, device) -> tuple:
     """(load_gpt's model, its tokenizer's meta) for sample.py and eval.py: a Hugging Face folder
     brings no tokenizer here but GPT-2's BPE, so its vocabulary must be GPT-2's."""
-    model = load_gpt(init_from, device)
-    if model.config.vocab_size != GPT2_VOCAB_SIZE:
-        raise ConfigError(f"{init_from} has a vocabulary of {model.config.vocab_size} tokens, not GPT-2's BPE "
+    shape = read_shape(locate(init_from))  # refused before its weights are read
+    if shape["vocab_size"] != GPT2_VOCAB_SIZE:
+        raise ConfigError(f"{init_from} has a vocabulary of {shape['vocab_size']} tokens, not GPT-2's BPE "
                           f"({GPT2_VOCAB_SIZE}), the one tokenizer --init_from reads text with: use the run's "
                           f"checkpoint and meta.json instead (--out_dir)")
-    return model, {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE}
+    return load_gpt(init_from, device, shape), {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE}
 
 
 def export(model: GPT, folder, gpt2_tokenizer: bool):

@@ -59,7 +59,9 @@ def slurm_first_host(nodelist: str) -> str:
 
 
 def slurm_tasks_per_node(counts: str) -> list[int]:
-    """SLURM's compressed task counts, one per node: '4(x2),3' -> [4, 4, 3]."""
+    """SLURM's compressed task counts, one per node: '4(x2),3' -> [4, 4, 3]; [] for what is not such a list."""
+    if not re.fullmatch(r"\d+(\(x\d+\))?(,\d+(\(x\d+\))?)*", counts):
+        return []
     per_node = []
     for part in counts.split(","):
         n, _, repeat = part.partition("(x")
@@ -89,7 +91,7 @@ def find_world() -> World:
         env.setdefault("MASTER_ADDR", slurm_first_host(nodes))
         env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
         counts, node = env.get("SLURM_STEP_TASKS_PER_NODE", env["SLURM_NTASKS"]), int(env.get("SLURM_NODEID", 0))
-        per_node = slurm_tasks_per_node(counts) if re.fullmatch(r"\d+(\(x\d+\))?(,\d+(\(x\d+\))?)*", counts) else []
+        per_node = slurm_tasks_per_node(counts)
         if "SLURM_PROCID" not in env or node >= len(per_node):
             raise ConfigError(f"srun's variables do not describe this task (SLURM_PROCID={env.get('SLURM_PROCID')}, "
                               f"SLURM_NODEID={node}, SLURM_STEP_TASKS_PER_NODE={counts!r}): launch with srun, "

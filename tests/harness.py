@@ -97,9 +97,9 @@ def audited_writes(audit_dir: Path) -> list[tuple[str, str, str]]:
     return rows
 
 
-def run(cmd: list[str], env: dict = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run a command to success (in the repo, with child_env() unless env is given)."""
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env() if env is None else env, capture_output=True,
+def run(cmd: list[str], env: dict = None, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run a command to success (in the repo unless cwd is given, with child_env() unless env is given)."""
+    proc = subprocess.run(cmd, cwd=cwd, env=child_env() if env is None else env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc

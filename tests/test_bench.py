@@ -2,12 +2,11 @@
 measured and consistent, never against a speed)."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from harness import REPO, child_env, train_here
+from harness import REPO, run, train_here
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -27,10 +26,8 @@ def report(tmp_path_factory):
     here = tmp_path_factory.mktemp("bench")
     (here / "tiny.py").write_text('n_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\nbatch_size = 4\n'
                                   'global_batch_size = 8\ndtype = "float32"\ndevice = "cpu"\n')
-    proc = subprocess.run([sys.executable, str(REPO / "bench.py"), "tiny.py", "--nproc=1,2", "--strategies=ddp,fsdp",
-                           "--steps=2", "--warmup=1", "--report=report"], cwd=here, env=child_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run([sys.executable, str(REPO / "bench.py"), "tiny.py", "--nproc=1,2", "--strategies=ddp,fsdp",
+                "--steps=2", "--warmup=1", "--report=report"], timeout=600, cwd=here)
     return here / "report", proc.stdout
 
 

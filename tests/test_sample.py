@@ -90,7 +90,7 @@ def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, m
      "last.pt: it is truncated or not a torch checkpoint at all"),
     (lambda out: torch.save({"model": 1}, out / "best.pt") or (out / "last.pt").unlink(),
      "best.pt is not a GPT checkpoint of this repo (KeyError"),
-    (lambda out: torch.save({k: v for k, v in torch.load(out / "last.pt").items() if k != "step"}, out / "best.pt")
+    (lambda out: torch.save({k: v for k, v in torch.load(out / "last.pt", weights_only=True).items() if k != "step"}, out / "best.pt")
      or (out / "last.pt").unlink(), "best.pt is not a GPT checkpoint of this repo (KeyError: 'step')"),  # nanoGPT's
 ])
 def test_a_broken_out_dir_is_a_clear_error(trained_copy, tmp_path, sample, damage, message):
