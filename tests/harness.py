@@ -2,6 +2,7 @@
 launch it (in this process, torchrun, spawned ranks, hand-set variables), a script's __main__ run
 in this process, and what runs wrote (checkpoints, metrics, logs)."""
 
+import contextlib
 import json
 import os
 import random
@@ -246,12 +247,15 @@ def _train_rank(rank: int, world_size: int, args: list, result_dir: Path, patch)
     from config import resolve
     if patch is not None:
         patch(rank)
-    result = train.main(resolve(args))
+    with open(Path(result_dir) / f"rank{rank}.log", "w") as log, \
+            contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        result = train.main(resolve(args))
     (Path(result_dir) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def run_world(world_size: int, args: list[str], result_dir: Path, patch=None) -> list[dict]:
-    """train.main on world_size gloo processes; each rank's returned summary.
+    """train.main on world_size gloo processes; each rank's returned summary (what it printed,
+    warnings included, is in result_dir/rankN.log).
 
     `patch(rank)`, a module-level function, runs in each process before training: a test seam
     that lives outside train.py (e.g. to count DDP communication).

@@ -13,7 +13,7 @@ import torch
 
 import train
 from config import resolve
-from harness import ckpt, max_diff, run, run_world, tiny_args, torchrun, train_py
+from harness import ckpt, max_diff, run_world, tiny_args
 
 TOL = 1e-5  # the README's tolerance between launches
 STEPS = 6
@@ -89,23 +89,24 @@ def test_fsdp_weights_equal_ddp_on_the_same_global_batch(char_data, tmp_path, dd
 
 @pytest.mark.slow
 def test_fsdp_resume_is_exact_and_crosses_strategies_world_sizes_and_formats(char_data, tmp_path, ddp_reference,
-                                                                             fsdp_whole):
-    sharded = dict(strategy="fsdp", checkpoint_format="sharded", resume="auto")
+                                                                             fsdp_whole, capsys):
+    sharded, logs = dict(strategy="fsdp", checkpoint_format="sharded", resume="auto"), tmp_path / "results"
     # sharded fsdp -> fsdp, same world: bit for bit against an uninterrupted (file-format) fsdp run
-    first = run(torchrun(args_for(char_data, tmp_path / "ff", **sharded, max_iters=STEPS // 2)))
-    assert "returned a view tensor" not in first.stderr  # FSDP's warning for the padded logits' slice
-    run(torchrun(args_for(char_data, tmp_path / "ff", **sharded)))
+    run_world(2, args_for(char_data, tmp_path / "ff", **sharded, max_iters=STEPS // 2), logs)
+    for r in (0, 1):  # FSDP's warning for the padded logits' slice
+        assert "returned a view tensor" not in (logs / f"rank{r}.log").read_text()
+    run_world(2, args_for(char_data, tmp_path / "ff", **sharded), logs)
     assert max_diff(ckpt(tmp_path / "ff", "last.dcp"), ckpt(fsdp_whole)) == 0
     # resharded on every load, the next global batch each time: ddp on one process (file) ->
     # fsdp W=4 (sharded, async) -> fsdp W=2 (sharded) -> ddp on one process (file)
     chain = tmp_path / "chain"
-    run(train_py(args_for(char_data, chain, max_iters=2)))
-    out = run(torchrun(args_for(char_data, chain, **sharded, async_checkpoint=True, batch_size=2, max_iters=3),
-                       4)).stdout
-    assert f"resuming from {chain / 'last.pt'} at step 2" in out
-    run(torchrun(args_for(char_data, chain, **sharded, max_iters=4)))
-    out = run(train_py(args_for(char_data, chain, resume="auto"))).stdout
-    assert f"resuming from {chain / 'last.dcp'} at step 4" in out
+    train.main(resolve(args_for(char_data, chain, max_iters=2)))
+    run_world(4, args_for(char_data, chain, **sharded, async_checkpoint=True, batch_size=2, max_iters=3), logs)
+    assert f"resuming from {chain / 'last.pt'} at step 2" in (logs / "rank0.log").read_text()
+    run_world(2, args_for(char_data, chain, **sharded, max_iters=4), logs)
+    capsys.readouterr()
+    train.main(resolve(args_for(char_data, chain, resume="auto")))
+    assert f"resuming from {chain / 'last.dcp'} at step 4" in capsys.readouterr().out
     result = ckpt(chain)
     assert result["step"] == STEPS and max_diff(result, ddp_reference) < TOL
 

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from harness import SEPARATOR, python, run, tiny_args, torchrun
+from harness import SEPARATOR, python, run_world, tiny_args
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -202,11 +202,12 @@ def test_max_iters_0_reports_the_pretrained_val_loss(tmp_path, bpe_data, hf_fold
 
 
 @pytest.mark.slow
-def test_fine_tuning_under_torchrun_starts_from_the_folder_and_resumes_exactly(tmp_path, bpe_data, hf_folder):
+def test_fine_tuning_on_two_ranks_starts_from_the_folder_and_resumes_exactly(tmp_path, bpe_data, hf_folder):
     """Two ranks: rank 0 reads the folder and the other receives; 2+2 steps equal 4 steps."""
-    def finetune(out, **overrides):
-        return run(torchrun(tiny_finetune(bpe_data, out, hf_folder, learning_rate=1e-4, warmup_iters=0,
-                                          eval_interval=2, **overrides)))
+    def finetune(out, **overrides):  # what rank 0 printed
+        run_world(2, tiny_finetune(bpe_data, out, hf_folder, learning_rate=1e-4, warmup_iters=0, eval_interval=2,
+                                   **overrides), tmp_path / "results")
+        return (tmp_path / "results" / "rank0.log").read_text()
 
     finetune(tmp_path / "whole", max_iters=4, resume="never")
     finetune(tmp_path / "split", max_iters=2, resume="never", lr_decay_iters=4)
@@ -214,8 +215,8 @@ def test_fine_tuning_under_torchrun_starts_from_the_folder_and_resumes_exactly(t
     start = gpt2_from_hf(hf_model().state_dict(), GPT(GPTConfig(**{**HF_SHAPE_OURS, "block_size": 32})))
     moved = max((first[k] - start[k]).abs().max().item() for k in start)
     assert 0 < moved < 1e-2  # two small steps away from the folder's weights
-    proc = finetune(tmp_path / "split", max_iters=4, resume="auto", lr_decay_iters=4)
-    assert "resuming from" in proc.stdout and "weights from" not in proc.stdout
+    printed = finetune(tmp_path / "split", max_iters=4, resume="auto", lr_decay_iters=4)
+    assert "resuming from" in printed and "weights from" not in printed
     whole = checkpoint.read(tmp_path / "whole" / "last.pt")["model"]
     split = checkpoint.read(tmp_path / "split" / "last.pt")["model"]
     assert all(torch.equal(whole[k], split[k]) for k in whole)
@@ -385,7 +386,7 @@ def test_fsdp_starts_from_the_folder_too(tmp_path, bpe_data, hf_folder, train):
     one = tiny_finetune(bpe_data, tmp_path / "one", hf_folder, max_iters=0)
     two = tiny_finetune(bpe_data, tmp_path / "two", hf_folder, max_iters=0, strategy="fsdp")
     train(one)
-    run(torchrun(two))
+    run_world(2, two, tmp_path / "results")
     val = [json.loads((tmp_path / d / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"] for d in ("one", "two")]
     assert abs(val[0] - val[1]) < 1e-5
 

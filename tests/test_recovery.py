@@ -24,13 +24,13 @@ def recovery_args(data, out, strategy="ddp", **kw):
 
 @pytest.fixture(scope="module")
 def uninterrupted(char_data, tmp_path_factory):
-    """strategy -> the last.pt of an uninterrupted torchrun run of 2 processes (made when first asked)."""
+    """strategy -> the last.pt of an uninterrupted run of 2 processes (made when first asked)."""
     made = {}
 
     def get(strategy):
         if strategy not in made:
             out_dir = tmp_path_factory.mktemp(f"uninterrupted-{strategy}")
-            run(torchrun(recovery_args(char_data, out_dir, strategy)))
+            run_world(2, recovery_args(char_data, out_dir, strategy), out_dir / "results")
             made[strategy] = ckpt(out_dir)
         return made[strategy]
     return get
