@@ -17,7 +17,7 @@ the training steps, and over each save; the seconds each save blocked training, 
 saves the seconds until the background write was committed; the seconds the resume's load took.
 The model: n_layer=36 n_head=20 n_embd=1280 (GPT-2 large, 708M parameters with the 65-character
 vocabulary), block 64, one sequence per process, float32, gloo. Needs ~20 GB of free memory
-(GPT-2 medium's shape, --shape=24,16,1024: ~11 GB and about 18 minutes).
+(GPT-2 medium's shape, --shape=24,16,1024: ~11 GB and about 13 minutes).
 """
 
 import argparse
