@@ -24,18 +24,18 @@ import torch.distributed as dist
 from errors import CollectiveFailed, ConfigError, GroupNotFormed, RunError
 
 
-def agree_max(values: list, world) -> list:
-    """Each value's largest over all ranks (integers), in one all-reduce."""
+def agree_max(value: int, world) -> int:
+    """The largest value over all ranks (an integer), in one all-reduce."""
     if world.size == 1:
-        return list(values)
-    votes = torch.tensor([int(v) for v in values])
-    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=world.group)
-    return votes.tolist()
+        return int(value)
+    vote = torch.tensor([int(value)])
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=world.group)
+    return int(vote.item())
 
 
 def any_rank(flag: bool, world) -> bool:
     """True on every rank when `flag` is True on any (also a barrier)."""
-    return agree_max([flag], world)[0] > 0
+    return agree_max(flag, world) > 0
 
 
 def broadcast_json(obj, world, src: int = 0):
@@ -52,7 +52,7 @@ def broadcast_json(obj, world, src: int = 0):
 
 def first_error(error, world) -> str:
     """The lowest failing rank's message on every rank (call it once all agreed one failed)."""
-    src = -agree_max([-world.rank if error is not None else -world.size], world)[0]
+    src = -agree_max(-world.rank if error is not None else -world.size, world)
     return broadcast_json(error, world, src)
 
 
@@ -95,10 +95,11 @@ AGREE_EVERY = 10  # steps between train.py's agreements on rare events, when log
 
 
 def log_step(loss: torch.Tensor, signum: int, problems: list, world) -> tuple:
-    """At a log step, in one all-reduce: the loss averaged over ranks, whether any rank was sent
-    SIGTERM or SIGINT, and for each of `problems` (this rank's message or None) the lowest
-    failing rank's message or None. Piggy-backing these rare events on the loss costs no extra
-    host sync per step; every rank gets the same answer at the same step, so all stop together.
+    """At a log step (or an agreement step, AGREE_EVERY apart), in one all-reduce: the loss averaged
+    over ranks, whether any rank was sent SIGTERM or SIGINT, and for each of `problems` (this rank's
+    message or None) the lowest failing rank's message or None. Piggy-backing these rare events on
+    the loss costs no extra host sync per step; every rank gets the same answer at the same step, so
+    all stop together.
     Returns (mean loss, the signal's number or 0, [message or None per problem])."""
     signals = (signal.SIGTERM, signal.SIGINT)  # SIGTERM first when both came
     flags = [float(signum == s) for s in signals] + [float(p is not None) for p in problems]

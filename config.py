@@ -196,7 +196,7 @@ def _exists(path: str) -> bool:
 
 
 def validate(cfg: Config) -> Config:
-    """Range checks that do not depend on the world size or the device (train.py checks
+    """Range checks that do not depend on the world size or the device (world.setup checks
     global_batch_size against batch_size x world size once it knows the world)."""
     def need(ok: bool, msg: str):
         if not ok:

@@ -84,9 +84,7 @@ class ShardedTokenLoader:
     def __init__(self, tokens: Tokens, block_size: int, batch_size: int, global_batch_size: int,
                  rank: int, world_size: int, seed: int, device="cpu"):
         assert global_batch_size % (batch_size * world_size) == 0, "world.setup checks this first"
-        self.tokens = tokens
-        self.block_size, self.batch_size = block_size, batch_size
-        self.global_batch_size = global_batch_size
+        self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.device = torch.device(device)
         # windows that fit in each shard for any epoch offset < block_size

@@ -6,7 +6,6 @@ its weights map one to one (GPT-2's Conv1D weights are the transpose of our nn.L
 Attention goes through F.scaled_dot_product_attention; generation uses a key/value cache.
 """
 
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -208,8 +207,7 @@ class GPT(nn.Module):
             {'params': no_decay_params, 'weight_decay': 0.0},
         ]
         # The fused kernel does the whole update in one launch (on CPU too, about 5x faster here).
-        fused_available = 'fused' in inspect.signature(torch.optim.AdamW).parameters
-        use_fused = fused and fused_available and device_type in ('cuda', 'cpu', 'mps')
+        use_fused = fused and device_type in ('cuda', 'cpu', 'mps')
         return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas,
                                  fused=True if use_fused else None)
 

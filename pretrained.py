@@ -36,10 +36,6 @@ TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special
 HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
-def _is_mask_buffer(name):
-    return name.endswith((".attn.bias", ".attn.masked_bias"))
-
-
 def gpt2_from_hf(hf_state, model):
     """`model`'s state dict from a Hugging Face GPT-2 state dict, every name checked one to one.
 
@@ -51,7 +47,7 @@ def gpt2_from_hf(hf_state, model):
     got = {}
     for name, tensor in hf_state.items():
         name = name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
-        if not _is_mask_buffer(name):
+        if not name.endswith((".attn.bias", ".attn.masked_bias")):  # the causal mask buffers
             got[name] = tensor.t() if name.endswith(HF_TRANSPOSED) else tensor
     lm_head = got.pop("lm_head.weight", None)  # tied to wte in GPT-2: a file may hold it again, but not another
     if lm_head is not None and not torch.equal(lm_head, got.get("transformer.wte.weight", lm_head)):

@@ -103,9 +103,7 @@ def load(path: Path, state: dict, world=None):
     alone = world is None or world.size == 1
     try:
         dcp.load(state, storage_reader=_reader(path), process_group=None if alone else world.group, no_dist=alone)
-    except BaseException as e:  # DCP's CheckpointException is a BaseException; Ctrl-C goes on
-        if not isinstance(e, Exception) and not hasattr(e, "failures"):
-            raise
+    except (Exception, dcp.api.CheckpointException) as e:  # the latter is a BaseException; Ctrl-C goes on
         raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {_reason(e)}") from None
 
 

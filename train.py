@@ -256,7 +256,7 @@ def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
     log.log({"step": run.step, "train_eval_loss": losses["train"], "val_loss": run.val_loss,
              "tokens_seen": run.step * cfg.tokens_per_step},
             f"step {run.step}: train loss {losses['train']:.4f}, val loss {run.val_loss:.4f}")
-    if run.step > start_step and (run.cfg.always_save_checkpoint or improved or at_end):
+    if run.step > start_step and (cfg.always_save_checkpoint or improved or at_end):
         run.save(best=improved)
     log.restart_clock(run.step)
 

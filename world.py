@@ -1,9 +1,10 @@
 """Where this process stands: its rank, device and dtype (docs/multihost.md); the process group
 it joins is collectives.py's.
 
-setup(), the start-up train.py and bench.py share, finds every problem a rank can see alone (a config
-typo, a dtype the device cannot run, a global batch the world cannot split) before the group forms,
-so each rank fails at once instead of waiting out dist_timeout; the rest is agreed (collectives.py).
+setup(), the start-up train.py, train_spawn.py and bench.py share, finds every problem a rank can
+see alone (a config typo, a dtype the device cannot run, a global batch the world cannot split)
+before the group forms, so each rank fails at once instead of waiting out dist_timeout; the rest is
+agreed (collectives.py).
 """
 
 import ctypes
@@ -80,7 +81,7 @@ def find_world() -> World:
     if ("RANK" in env) != ("WORLD_SIZE" in env):  # else one process would train, silently alone
         raise ConfigError(f"{'RANK' if 'RANK' in env else 'WORLD_SIZE'} is set but "
                           f"{'WORLD_SIZE' if 'RANK' in env else 'RANK'} is not: set both (or neither)")
-    if "RANK" in env and "WORLD_SIZE" in env:
+    if "RANK" in env:
         size = int(env["WORLD_SIZE"])
         world = World(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), size, int(env.get("LOCAL_WORLD_SIZE", size)))
     # Only inside a step that srun launched: an sbatch script itself also sees SLURM_PROCID=0
@@ -256,7 +257,7 @@ def setup(cfg: Config, claim: bool = True) -> World:
     if cfg.fsdp_shard_size and world.size % cfg.fsdp_shard_size:
         raise ConfigError(f"fsdp_shard_size ({cfg.fsdp_shard_size}) must divide the world size ({world.size}): "
                           f"e.g. the processes per host, {world.local_size}")
-    world.shard_size = min(cfg.fsdp_shard_size or world.size, world.size)
+    world.shard_size = cfg.fsdp_shard_size or world.size
     world.strategy = cfg.strategy if world.size > 1 else "ddp"
     return world
 
