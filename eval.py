@@ -98,7 +98,8 @@ def main(argv=None):
     if world.is_master:
         print(f"# {name}, {world.size} process{'es' if world.size > 1 else ''}")
         if val is not None:
-            print(f"{args.dataset or args.data_dir} val loss {loss:.4f} over {len(val[1])} windows of {model.config.block_size} tokens")
+            print(f"{args.dataset or args.data_dir} val loss {loss:.4f} over {len(val[1])} windows of "
+                  f"{model.config.block_size} tokens")
         if score.truncated:
             print(f"note: {score.truncated} contexts were longer than block_size "
                   f"({model.config.block_size}) and lost tokens from their left")

@@ -63,6 +63,7 @@ class Logger:
     def start(cls, run, meta: dict) -> "Logger":
         """A run's log (silent on ranks other than 0), its files beside the checkpoints, a summary."""
         import torch
+        from pretrained import is_pretrained
         cfg, world, raw_model = run.cfg, run.world, run.raw_model
         on_gpu = world.device.type == "cuda"
         log = cls(cfg, run.step if run.resumed_from else None, world.is_master,
@@ -80,7 +81,7 @@ class Logger:
                 f"({cfg.batch_size} per micro-batch x {world.size} processes x {world.accum} accumulation steps)")
         if run.resumed_from:
             log.say(f"resuming from {run.resumed_from} at step {run.step}")
-        elif cfg.init_from not in ("scratch", "resume"):
+        elif is_pretrained(cfg.init_from):
             log.say(f"weights from {cfg.init_from}: {run.model_args['n_layer']} layers, {run.model_args['n_head']} "
                     f"heads, {run.model_args['n_embd']} wide, positions cropped to {cfg.block_size}")
         return log

@@ -96,12 +96,17 @@ def is_pretrained(init_from: str) -> bool:
     return init_from not in ("scratch", "resume")
 
 
+def weight_file(folder: Path):
+    """The folder's GPT-2 weight file (safetensors first), or None."""
+    return next((folder / f for f in WEIGHT_FILES if (folder / f).is_file()), None)
+
+
 @functools.lru_cache(maxsize=None)  # model_args() and load_state() both ask: look (or download) once
 def locate(init_from: str) -> Path:
     """The folder of a released model (from the Hugging Face cache, else downloaded) or a path."""
     if init_from not in RELEASED:
         folder = Path(init_from)
-        if not (folder / "config.json").is_file() or not any((folder / f).is_file() for f in WEIGHT_FILES):
+        if not (folder / "config.json").is_file() or weight_file(folder) is None:
             raise ConfigError(f"init_from {init_from}: no Hugging Face GPT-2 model there (a folder with "
                               f"config.json and model.safetensors or pytorch_model.bin)")
         return folder
@@ -124,18 +129,18 @@ def locate(init_from: str) -> Path:
 
 def read_shape(folder: Path) -> dict:
     """GPTConfig fields from a GPT-2 config.json; an error for variants model.py does not build."""
-    try:
-        hf = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{folder / 'config.json'} cannot be read: {first_line(e)}") from None
     where = folder / "config.json"
+    try:
+        hf = json.loads(where.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where} cannot be read: {first_line(e)}") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{where} holds a JSON {type(hf).__name__}, not GPT-2's settings (an object)")
     checks = {"model_type": ("gpt2",), "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
               "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
               "add_cross_attention": (False,), "layer_norm_epsilon": (1e-5,), "tie_word_embeddings": (True,)}
     for key, allowed in checks.items():
-        if key in hf and hf[key] not in allowed or key == "model_type" and hf.get(key) != "gpt2":
+        if (key in hf or key == "model_type") and hf.get(key) not in allowed:  # model_type is required
             raise ConfigError(f"{where}: {key}={hf.get(key)!r}, but this GPT is GPT-2's "
                               f"architecture ({key} in {allowed})")
     names = dict(n_layer="n_layer", n_head="n_head", n_embd="n_embd", block_size="n_positions", vocab_size="vocab_size")
@@ -150,11 +155,11 @@ def read_shape(folder: Path) -> dict:
                           f"is 4 x n_embd wide (n_inner null or {4 * shape['n_embd']})")
     # Before a model of that shape is built (n_layer=10**6 would not fit in memory): no weight file
     # holds under a byte a weight. A smaller mismatch is named tensor by tensor in gpt2_from_hf.
-    weights = next(folder / f for f in WEIGHT_FILES if (folder / f).is_file())
+    weights = weight_file(folder)
     n_embd = shape["n_embd"]
     params = shape["n_layer"] * 12 * n_embd ** 2 + (shape["vocab_size"] + shape["block_size"]) * n_embd
     if params > weights.stat().st_size:
-        raise ConfigError(f"{folder / 'config.json'} describes a model of {params:,} weights, but {weights} holds "
+        raise ConfigError(f"{where} describes a model of {params:,} weights, but {weights} holds "
                           f"{weights.stat().st_size:,} bytes: the two come from different models")
     return shape
 
@@ -178,7 +183,7 @@ def model_args(init_from: str, cfg, meta: dict) -> dict:
 def load_state(init_from: str, model: GPT) -> dict:
     """`model`'s state dict from GPT-2's weights, every tensor name and shape checked."""
     folder = locate(init_from)
-    path = next(folder / f for f in WEIGHT_FILES if (folder / f).is_file())
+    path = weight_file(folder)
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
