@@ -180,8 +180,9 @@ def malformed(ckpt: dict, model_args: dict, cfg: Config):
     if not number(ckpt["best_val_loss"]) or not isinstance(ckpt["scaler"], dict):
         return f"best_val_loss {ckpt['best_val_loss']!r} or the scaler's state is not one"
     if not (isinstance(loader, dict) and all(type(loader.get(k)) is int for k in ("epoch", "position"))
-            and loader["position"] >= 0 and loader["position"] % cfg.global_batch_size == 0):
-        return f"loader {loader!r} is not a whole epoch and a position that is a multiple of global_batch_size"
+            and loader["epoch"] >= -1 and loader["position"] >= 0 and loader["position"] % cfg.global_batch_size == 0):
+        return (f"loader {loader!r} is not an epoch (-1 before the first) and a position that is a multiple "
+                f"of global_batch_size")
     if ckpt["model"] is None:  # a sharded checkpoint: DCP checks its tensors as it reads them
         return None
     with torch.device("meta"):  # shapes only: no memory, whatever the size

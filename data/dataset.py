@@ -86,6 +86,9 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if (out_dir / PROGRESS).exists() or any(is_loose_shard(p) for p in out_dir.iterdir()):
+        raise ValueError(f"{out_dir} holds token shards (a sharded dataset, or one being prepared): train.bin "
+                         f"and val.bin there would make its shards unread; choose another --out_dir")
     vocab_size = meta["vocab_size"]
     dtype = np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
     arrays = {}
@@ -232,6 +235,10 @@ def check_token_files(data_dir, meta: dict, n_windows: int = 16, window: int = 4
     spread over each split (a sample: reading every token of a large corpus takes minutes)."""
     dtype = np.dtype(meta["dtype"])
     again = _prepare_again(data_dir)
+    foreign = f"the files come from different preparations; {again}"
+    if not (Path(data_dir) / "meta.json").is_file():  # meta_from_shards: read as GPT-2's tokens
+        foreign = ("shards without a meta.json are read as GPT-2 BPE tokens, and these are not: tokenize "
+                   "the text with GPT-2's BPE (python data/fineweb/prepare.py --input=FILES)")
     for split, shards in split_shards(data_dir, meta).items():
         for shard in shards:
             path = shard.path
@@ -261,5 +268,4 @@ def check_token_files(data_dir, meta: dict, n_windows: int = 16, window: int = 4
                 bad = np.flatnonzero(chunk >= meta["vocab_size"])
                 if bad.size:
                     raise ValueError(f"{path}: token id {int(chunk[bad[0]])} at position "
-                                     f"{int(start + bad[0]):,} is >= vocab_size {meta['vocab_size']} "
-                                     f"from meta.json: the files come from different preparations; {again}")
+                                     f"{int(start + bad[0]):,} is >= vocab_size {meta['vocab_size']}: {foreign}")

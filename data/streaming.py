@@ -16,21 +16,21 @@ there and writes byte-identical shards; meta.json is written last.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import multiprocessing as mp
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
-from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_VOCAB_SIZE, PROGRESS, write_shard
+from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_VOCAB_SIZE, PROGRESS, load_meta, write_shard
 from data.corpora import prepare_parser
-from data.files import remove_stale_temporaries
-from data.files import atomic_write_bytes
-
+from data.files import atomic_write_bytes, remove_stale_temporaries
 
 
 def shard_arguments(doc: str, repo_id: str) -> argparse.ArgumentParser:
@@ -72,6 +72,9 @@ def read_documents(path: Path) -> Iterator[str]:
         parquet = pq.ParquetFile(path)
         if "text" not in parquet.schema_arrow.names:
             raise ValueError(f"{path} has no 'text' column (it has {', '.join(parquet.schema_arrow.names)})")
+        kind = parquet.schema_arrow.field("text").type
+        if str(kind) not in ("string", "large_string", "string_view"):
+            raise ValueError(f"{path}: its 'text' column holds {kind}, not strings: give the documents as text")
         for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
             yield from (text or "" for text in batch.column(0).to_pylist())
     else:
@@ -95,9 +98,8 @@ class Source:
 
 
 def local_source(pattern: str) -> Source:
-    """Files matching a glob pattern (or one path), in sorted order."""
-    root = Path(pattern).parent if any(c in pattern for c in "*?[") else None
-    files = sorted(root.glob(Path(pattern).name)) if root is not None else [Path(pattern)]
+    """Files matching a glob pattern (or one path), in sorted order; ** matches folders at any depth."""
+    files = sorted(map(Path, glob.glob(pattern, recursive=True))) if any(c in pattern for c in "*?[") else [Path(pattern)]
     files = [f for f in files if f.is_file()]
     if not files:
         raise FileNotFoundError(f"--input {pattern} matches no file")
@@ -144,16 +146,21 @@ def hub_source(repo_id: str, files: list, revision: str, download_dir: Path) -> 
 
 # ----------------------------------------------------------------------------- tokenizing in workers
 
-_encoder = None
+_encoder = None  # the worker's tiktoken Encoding, or the exception loading it raised
 
 
 def _start_worker():
     global _encoder
     from data.tokenizers import gpt2_encoding
-    _encoder = gpt2_encoding(verbose=False)
+    try:
+        _encoder = gpt2_encoding(verbose=False)
+    except Exception as e:  # noqa: BLE001  an initializer that raises is restarted by the Pool forever
+        _encoder = e
 
 
 def _encode(item):
+    if isinstance(_encoder, Exception):
+        raise _encoder  # to the main process, which reports it
     index, text = item
     return index, np.array([GPT2_EOT] + _encoder.encode_ordinary(text), dtype=np.uint16)
 
@@ -202,10 +209,37 @@ class ShardStream:
         on_shard()
 
 
-def saved_counts(out_dir) -> list:
-    """Documents per file as an interrupted prepare in out_dir counted them (else [])."""
+def read_progress(out_dir, settings: dict = None) -> dict:
+    """out_dir's .progress.json (empty without one), checked to be what write_shards writes there,
+    and (given `settings`) to be a prepare with these settings whose shards are all in place."""
     path = Path(out_dir) / PROGRESS
-    return json.loads(path.read_text()).get("counts", []) if path.is_file() else []
+    if not path.is_file():
+        return {"counts": [], "streams": {}}
+    try:
+        progress = json.loads(path.read_text(encoding="utf-8"))
+        ok = isinstance(progress["settings"], dict) and all(type(c) is int for c in progress["counts"]) and all(
+            len(s["resume"]) == 2 and all(type(v) is int for v in s["resume"]) and all(
+                type(sh["file"]) is str and type(sh["tokens"]) is int and sh["split"] in ("train", "val")
+                and "sha256" in sh for sh in s["shards"]) for s in progress["streams"].values())
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not of the shape written here
+        ok = False
+    if not ok:
+        raise ValueError(f"{path} is damaged (it is not what a prepare writes there): remove {out_dir} and "
+                         f"prepare again")
+    if settings is None:
+        return progress
+    if progress["settings"] != settings:
+        raise ValueError(f"{out_dir} holds an interrupted prepare with other settings "
+                         f"({path}): rerun it with the same options, or remove {out_dir}")
+    for stream in progress["streams"].values():
+        for shard in stream["shards"]:
+            file = out_dir / shard["file"]
+            if not file.is_file() or file.stat().st_size != 1024 + 2 * shard["tokens"]:
+                raise ValueError(f"{file} is missing or changed since it was written: remove "
+                                 f"{out_dir} and prepare again")
+    print(f"resuming: {sum(len(s['shards']) for s in progress['streams'].values())} shards "
+          f"already written in {out_dir}")
+    return progress
 
 
 def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, workers: int,
@@ -224,7 +258,7 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
     settings = {**settings, "files": source.names, "shard_tokens": shard_tokens, "prefix": prefix}
     if (out_dir / "meta.json").is_file() and not (out_dir / PROGRESS).is_file():
         return _already_prepared(out_dir, settings)
-    progress = _read_progress(out_dir, settings)
+    progress = read_progress(out_dir, settings)
     streams = {name: ShardStream(out_dir, prefix, shard_tokens, split_of_shard[name],
                                  progress["streams"].get(name)) for name in split_of_shard}
     counts = list(counts or progress["counts"])  # documents per file, as far as known
@@ -256,10 +290,12 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
             streams[route(doc)].add(doc, tokens, on_shard)
             bar.update(len(tokens))
 
+    from data.tokenizers import gpt2_encoding
+    gpt2_encoding(verbose=False)  # a bad vocabulary file is reported here, before any download
     # Two blocks in flight at most, so memory stays bounded (Pool.imap would read all ahead).
     with mp.get_context("spawn").Pool(workers, initializer=_start_worker) as pool:
-        pending = None
-        for block in _blocks(documents(), workers * 64):
+        pending, docs = None, documents()
+        for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
             submitted = pool.map_async(_encode, block, chunksize=16)
             if pending is not None:
                 take(pending.get())
@@ -268,18 +304,6 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
             take(pending.get())
     bar.close()
     return _finish(source, out_dir, streams, counts, settings, shard_tokens, on_shard)
-
-
-def _blocks(items: Iterator, size: int) -> Iterator[list]:
-    """`items` in lists of `size` (the last may be shorter)."""
-    block = []
-    for item in items:
-        block.append(item)
-        if len(block) == size:
-            yield block
-            block = []
-    if block:
-        yield block
 
 
 def _finish(source: Source, out_dir: Path, streams: dict, counts: list, settings: dict, shard_tokens: int,
@@ -311,8 +335,8 @@ def _finish(source: Source, out_dir: Path, streams: dict, counts: list, settings
 
 def _already_prepared(out_dir: Path, settings: dict) -> dict:
     """A finished folder: the same settings leave it as it is; others would overwrite it."""
-    meta = json.loads((out_dir / "meta.json").read_text())
-    if meta.get("prepared_with") != settings:
+    meta = load_meta(out_dir, fix=f"remove {out_dir} and prepare again")
+    if meta.get("prepared_with") != settings or "shards" not in meta:
         raise ValueError(f"{out_dir} already holds a dataset prepared with other settings: remove it "
                          f"or choose another --out_dir")
     for entry in meta["shards"]["train"] + meta["shards"]["val"]:
@@ -322,21 +346,3 @@ def _already_prepared(out_dir: Path, settings: dict) -> dict:
     print(f"{out_dir} is already prepared ({meta['train_tokens'] + meta['val_tokens']:,} tokens)")
     return meta
 
-
-def _read_progress(out_dir: Path, settings: dict) -> dict:
-    path = out_dir / PROGRESS
-    if not path.is_file():
-        return {"counts": [], "streams": {}}
-    progress = json.loads(path.read_text())
-    if progress.get("settings") != settings:
-        raise ValueError(f"{out_dir} holds an interrupted prepare with other settings "
-                         f"({path}): rerun it with the same options, or remove {out_dir}")
-    for stream in progress["streams"].values():
-        for shard in stream["shards"]:
-            file = out_dir / shard["file"]
-            if not file.is_file() or file.stat().st_size != 1024 + 2 * shard["tokens"]:
-                raise ValueError(f"{file} is missing or changed since it was written: remove "
-                                 f"{out_dir} and prepare again")
-    print(f"resuming: {sum(len(s['shards']) for s in progress['streams'].values())} shards "
-          f"already written in {out_dir}")
-    return progress

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from errors import ConfigError, reported  # noqa: E402
+from errors import ConfigError, RunError, reported  # noqa: E402
 
 
 def make(folder: Path, n_tokens: int, shards: int) -> list:
@@ -102,8 +102,11 @@ def main():
                     files = make(Path(tmp), size // 2, shards)
                     out = subprocess.run([sys.executable, __file__, f"--measure={json.dumps(files)}",
                                           f"--block_size={args.block_size}", f"--batch_size={args.batch_size}"],
-                                         capture_output=True, text=True, check=True,
+                                         capture_output=True, text=True,
                                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                    if out.returncode:  # e.g. the window order of a huge dataset does not fit in memory
+                        raise RunError(f"measuring {size:,} bytes in {shards} shard(s) failed: "
+                                       f"{(out.stderr.strip().splitlines() or ['no message'])[-1]}")
                     runs.append(json.loads(out.stdout))
             r = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
             layout = "one train.bin" if shards == 1 else f"{shards} shards"

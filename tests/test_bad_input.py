@@ -104,6 +104,14 @@ def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_prev
     assert [torch.load(out / f"{k}.pt", weights_only=True)["step"] for k in ("previous", "last")] == [5, 15]
 
 
+def test_a_loader_epoch_before_the_first_is_refused_at_resume():
+    """An epoch below -1 (there is none before -1: not started) would fail mid-run in numpy's seeding."""
+    ckpt = {"step": 4, "world_size": 1, "best_val_loss": 2.0, "scaler": {}, "model": None}
+    cfg = resolve([])
+    assert checkpoint.malformed({**ckpt, "loader": {"epoch": -1, "position": 0}}, {}, cfg) is None
+    assert "is not an epoch" in checkpoint.malformed({**ckpt, "loader": {"epoch": -5, "position": 0}}, {}, cfg)
+
+
 @pytest.mark.parametrize("problem, message", [
     ("missing", "nothing to resume from"),
     ("random bytes", "cannot read checkpoint"),
@@ -111,7 +119,7 @@ def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_prev
     ("unknown format", "checkpoint format 99 is not 1"),
     # hand edits, each once a traceback from Run.load_state_dict: one line, on every rank
     ({"step": "10"}, "step '10' or world_size 1 is not a whole number"),
-    ({"loader": {"epoch": 0}}, "loader {'epoch': 0} is not a whole epoch and a position"),
+    ({"loader": {"epoch": 0}}, "loader {'epoch': 0} is not an epoch (-1 before the first) and a position"),
     ({"loader": {"epoch": 0, "position": 3}}, "a position that is a multiple of global_batch_size"),
     ({"optimizer": {}}, "optimizer is not AdamW's state of two parameter groups"),
     ({"model": {}}, "model weight transformer.wte.weight is missing or of another shape"),

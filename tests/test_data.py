@@ -213,6 +213,15 @@ def test_interrupted_swap_leaves_no_meta_json(tmp_path, monkeypatch):
         load_meta(tmp_path)
 
 
+@pytest.mark.parametrize("other", ["fineweb_val_000000.bin", ".progress.json"])
+def test_a_small_prepare_never_writes_over_a_sharded_dataset(tmp_path, other):
+    (tmp_path / other).write_bytes(b"a shard, or a prepare of shards under way")
+    before = sorted(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="holds token shards .* choose another --out_dir"):
+        write_dataset(tmp_path, [1, 2, 3], [4], {"vocab_size": 5, "tokenizer": "char", "chars": "abcde"})
+    assert sorted(tmp_path.iterdir()) == before
+
+
 def test_large_vocabularies_are_stored_as_uint32(tmp_path):
     meta = write_dataset(tmp_path, [70_000, 1], [65_536], {"vocab_size": 70_001, "tokenizer": "gpt2",
                                                             "source": {}})

@@ -243,6 +243,16 @@ def test_every_entry_point_meets_bad_input_with_one_line(entry, kind, char_data,
     one_error(proc.stderr)
 
 
+def test_bench_loader_says_why_a_measurement_failed(script, monkeypatch):
+    """Its measuring child's last line (here a window order too large for memory), not a traceback."""
+    failed = subprocess.CompletedProcess([], 1, "", "Traceback (most recent call last):\n  ...\n"
+                                                     "MemoryError: Unable to allocate 149. GiB\n")
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: failed)
+    proc = script("scripts/bench_loader.py", "--sizes=4e6", "--block_size=16")
+    assert proc.returncode == 1 and proc.stderr == ("error: measuring 4,000,000 bytes in 1 shard(s) failed: "
+                                                    "MemoryError: Unable to allocate 149. GiB\n"), proc.stderr
+
+
 @pytest.mark.slow
 def test_ctrl_c_ends_a_tool_with_one_line(a_run):
     """A tool (here sample.py mid-generation) ends with one line and status 130. (train.py stops at

@@ -18,6 +18,7 @@ import torch
 
 import train
 from config import resolve
+from data import streaming
 from data.dataset import Shard, read_shard_header, write_shard
 from data.tokenizers import gpt2_encoding
 from harness import (REPO, assert_close_runs, ckpt, make_char_dataset, read_epochs, record_epochs, shard_dataset,
@@ -238,6 +239,8 @@ def test_epochs_over_shards_never_repeat_a_window_and_resume_on_the_boundary(cha
     (lambda d: (d / "c.txt").write_bytes(b"caf\xe9 au lait"),
      "c.txt is not UTF-8 text (invalid continuation byte at byte 3)"),
     (lambda d: pq.write_table(pa.table({"content": ["x"]}), d / "c.parquet"), "c.parquet has no 'text' column"),
+    (lambda d: pq.write_table(pa.table({"text": [1, 2]}), d / "c.parquet"),
+     "c.parquet: its 'text' column holds int64, not strings"),
     (lambda d: (d / "c.jsonl").write_text(""), "the corpus holds no documents"),
     (lambda d: (d / "c.txt").write_text("a short corpus"),  # the count once came from the progress bar: 0 here
      "the corpus (1 documents, 4 tokens) gives no train shard: too small for --shard_tokens"),
@@ -254,6 +257,47 @@ def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script,
     if "short" in message:  # a shard past what its header can count: refused before a buffer is made
         proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--shard_tokens=3000000000")
         assert proc.returncode == 2 and "must be 1 to 2**31 - 1" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("name, text", [("meta.json", "[]"), (".progress.json", "[]"),
+                                        (".progress.json", '{"settings": {}, "counts": [], "streams": {"s": {}}}'),
+                                        (".progress.json", "")])
+def test_a_damaged_meta_or_progress_file_is_one_line_naming_it(corpus, tmp_path, script, name, text):
+    folder, _ = corpus
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).write_text(text)
+    proc = script("data/fineweb/prepare.py", f"--input={folder}/part2.jsonl", f"--out_dir={out}", "--workers=1")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"error: {out / name}" in proc.stderr and f"remove {out} and prepare again" in proc.stderr, proc.stderr
+
+
+def test_a_glob_may_name_folders_too(tmp_path):
+    for folder in ("a", "b", "b/c"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "x.jsonl").write_text('{"text": "x"}\n')
+    assert streaming.local_source(f"{tmp_path}/*/*.jsonl").names == [f"{tmp_path}/{f}/x.jsonl" for f in "ab"]
+    assert streaming.local_source(f"{tmp_path}/**/*.jsonl").names == [f"{tmp_path}/{f}/x.jsonl"
+                                                                      for f in ("a", "b/c", "b")]  # sorted
+
+
+@pytest.mark.slow
+def test_a_wrong_vocabulary_file_is_one_line_and_not_a_hang(corpus, tmp_path, monkeypatch):
+    # once only the workers loaded it, and a Pool restarts a worker whose initializer raised forever
+    junk = tmp_path / "junk.tiktoken"
+    junk.write_text("junk\n")
+    monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(junk))
+    folder, _ = corpus
+    proc = prepare("fineweb", f"--input={folder}/part2.jsonl", f"--out_dir={tmp_path / 'out'}", "--workers=1",
+                   timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {junk} (should be GPT-2's gpt2.tiktoken"), \
+        proc.stderr
+    assert proc.stderr.count("\n") == 1
+    # a worker that cannot load it fails its task (the main process reports it) and is not restarted
+    monkeypatch.setattr(streaming, "_encoder", None)
+    streaming._start_worker()
+    with pytest.raises(ValueError, match="junk.tiktoken"):
+        streaming._encode((0, "some text"))
 
 
 class ConnectError(Exception):
@@ -294,6 +338,8 @@ def bad_length(d):
     (lambda d: (d / "x_train_000001.bin").unlink(), "has no meta.json and no *train*.bin shard"),
     (lambda d: write_llm_c_shard(d / "x_train_000001.bin", np.arange(5000), magic=12345),
      "x_train_000001.bin: magic number 12345 is not a token shard's"),
+    (lambda d: write_llm_c_shard(d / "x_train_000001.bin", np.full(5000, 60000)),  # another tokenizer's ids
+     "is >= vocab_size 50257: shards without a meta.json are read as GPT-2 BPE tokens, and these are not"),
 ])
 def test_broken_shards_are_one_line_errors_before_training(tmp_path, capsys, make, message):
     data = tmp_path / "data"

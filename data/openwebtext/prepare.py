@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: make `data` importable from th
 import numpy as np
 
 from data.corpora import errors_exit_2
-from data.streaming import (count_documents, hub_files, hub_source, local_source, saved_counts, shard_arguments,
+from data.streaming import (count_documents, hub_files, hub_source, local_source, read_progress, shard_arguments,
                             write_shards)
 
 PREPARE_IN_TRAIN = False  # hours of downloading: train.py asks for this script to be run first
@@ -48,7 +48,7 @@ def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, revision="main", 
         files = hub_files(repo_id, revision, "", "pass --revision (a branch with the parquet conversion) or --input")
         source = hub_source(repo_id, files, revision, out_dir / ".download")
         settings = {"repo": repo_id, "revision": revision}
-    counts = saved_counts(out_dir)
+    counts = read_progress(out_dir)["counts"]
     if len(counts) != len(source.names):  # the split needs the number of documents up front
         counts = [count_documents(source.fetch(i)) for i in range(len(source.names))]
     val = val_documents(sum(counts))
