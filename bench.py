@@ -46,7 +46,7 @@ from loader import Dataset
 from model import GPTConfig
 from parallel import memory_problem
 from train import build_run, optimizer_step
-from world import World, accumulation_steps, setup
+from world import World, setup
 
 REPO = Path(__file__).resolve().parent
 
@@ -280,15 +280,12 @@ def main(argv=None):
     nprocs = parse_list("nproc", opts["nproc"], int)
     strategies = parse_list("strategies", opts["strategies"], str, CHOICES["strategy"])
     cfg = resolve(cfg_args)  # a bad config, device, dataset or size fails here, once, not in every worker
-    world = setup(cfg, claim=False)
     meta = None if synthetic(cfg_args) else Dataset(cfg).meta
     shape = GPTConfig(**cfg.model_args((meta or {"vocab_size": GPT2_VOCAB})["vocab_size"]))
-    for n in nprocs:
-        accumulation_steps(cfg, n)  # raises where the global batch cannot be split over n
+    for n in nprocs:  # as rank 0 of n processes will see it: the global batch and fsdp_shard_size must split
+        world = setup(cfg, claim=False, world=World(size=n, local_size=n))
         for strategy in strategies:
-            shards = min(cfg.fsdp_shard_size or n, n)
-            problem = memory_problem(shape, cfg, dataclasses.replace(world, size=n, local_size=n, shard_size=shards,
-                                                                     strategy=strategy if n > 1 else "ddp"))
+            problem = memory_problem(shape, cfg, dataclasses.replace(world, strategy=strategy if n > 1 else "ddp"))
             if problem:
                 raise ConfigError(problem)
     report = Path(opts["report"])

@@ -24,7 +24,7 @@ from config import Config
 import sharded
 from collectives import on_rank0
 from data.files import disk_full, fsync_dir, link_or_copy, remove_stale_temporaries, tensor_bytes, write_temp
-from errors import ConfigError, OutDirBusy, OutDirUnwritable, UnreadableCheckpoint, first_line
+from errors import ConfigError, OutDirBusy, OutDirUnwritable, UnreadableCheckpoint, first_line, load_failure
 from model import GPT, GPTConfig
 
 FORMAT = 1
@@ -32,10 +32,9 @@ FORMAT = 1
 
 def save(state: dict, out_dir: Path, best: bool, rotate: bool = True):
     """Write last.pt atomically (temporary file, fsync, rename), keeping the one it replaces as
-    previous.pt (a fallback if last.pt is later damaged; not if not rotate); best.pt is the same bytes if best."""
+    previous.pt (a fallback if last.pt is later damaged; not if not rotate); best.pt is the same bytes if best.
+    A write that fails (a full disk) changes none of them."""
     last = out_dir / "last.pt"
-    if last.exists() and rotate:
-        link_or_copy(last, out_dir / "previous.pt")
     try:
         tmp = write_temp(last, lambda f: torch.save(state, f))
     except RuntimeError as e:
@@ -43,6 +42,8 @@ def save(state: dict, out_dir: Path, best: bool, rotate: bool = True):
         if full is None:
             raise
         raise OSError(errno.ENOSPC, full) from None
+    if last.exists() and rotate:
+        link_or_copy(last, out_dir / "previous.pt")
     if best:  # before last.pt: killed in between, the resume redoes this step (best_val_loss is last.pt's)
         link_or_copy(tmp, out_dir / "best.pt")
     os.replace(tmp, last)
@@ -130,11 +131,8 @@ def read(path: Path, tensors: bool = True):
     except Exception as e:  # nothing in a bad file may end in a traceback
         if isinstance(e, EOFError) or "zip archive" in str(e) or getattr(e, "errno", None) == errno.EINVAL:
             reason = "it is truncated or not a torch checkpoint at all"
-        elif str(e).startswith("Weights only load failed"):  # torch's advice to load it unsafely: no
-            reason = ("it is damaged, or holds objects that would run code when loaded, which "
-                      "weights_only=True refuses")
         else:
-            reason = f"{type(e).__name__}: {first_line(e)}"
+            reason = load_failure(e)
     raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {reason}")
 
 
@@ -173,29 +171,61 @@ def load(path: Path, model_args: dict, cfg: Config) -> dict:
 
 def malformed(ckpt: dict, model_args: dict, cfg: Config):
     """What among a checkpoint's values a resume could not take (a hand edit), or None: checked
-    here, on rank 0, so it is one line on every rank and not a traceback in Run.load_state_dict."""
-    loader, number = ckpt["loader"], lambda v: type(v) in (int, float)
-    if type(ckpt["step"]) is not int or ckpt["step"] < 0 or type(ckpt["world_size"]) is not int:
-        return f"step {ckpt['step']!r} or world_size {ckpt['world_size']!r} is not a whole number"
+    here, on rank 0, so it is one line on every rank, not a traceback in Run.load_state_dict (or
+    worse: fused AdamW writes past the end of a state tensor that is too short)."""
+    loader, number, world_size = ckpt["loader"], lambda v: type(v) in (int, float), ckpt["world_size"]
+    if type(ckpt["step"]) is not int or ckpt["step"] < 0 or type(world_size) is not int or world_size < 1:
+        return f"step {ckpt['step']!r} or world_size {world_size!r} is not a whole number"
     if not number(ckpt["best_val_loss"]) or not isinstance(ckpt["scaler"], dict):
         return f"best_val_loss {ckpt['best_val_loss']!r} or the scaler's state is not one"
     if not (isinstance(loader, dict) and all(type(loader.get(k)) is int for k in ("epoch", "position"))
             and loader["epoch"] >= -1 and loader["position"] >= 0 and loader["position"] % cfg.global_batch_size == 0):
         return (f"loader {loader!r} is not an epoch (-1 before the first) and a position that is a multiple "
                 f"of global_batch_size")
-    if ckpt["model"] is None:  # a sharded checkpoint: DCP checks its tensors as it reads them
-        return None
+    try:  # what is not a tensor goes from rank 0 to the other ranks as JSON
+        json.dumps({k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "rng")})
+    except (TypeError, ValueError):
+        return "a value beside the tensors is not plain data (numbers, strings, lists and dicts)"
     with torch.device("meta"):  # shapes only: no memory, whatever the size
-        expected = GPT(GPTConfig(**model_args)).state_dict()
-    weights = ckpt["model"] if isinstance(ckpt["model"], dict) else {}
-    wrong = [k for k, v in expected.items()
-             if not isinstance(weights.get(k), torch.Tensor) or weights[k].shape != v.shape]
+        model = GPT(GPTConfig(**model_args))
+    # AdamW's two groups, as configure_optimizers makes them: matrices and embeddings, then the rest
+    groups = [[(n, p.shape) for n, p in model.named_parameters() if (p.dim() >= 2) == decay] for decay in (1, 0)]
+    rng_shape = [world_size, torch.get_rng_state().numel()]
+    if ckpt["model"] is None:  # sharded: DCP checks the tensors as it reads them, run.json the rest
+        shapes = ckpt["rng_shapes"]
+        if _params_of(ckpt["param_groups"]) != [[n for n, _ in g] for g in groups]:
+            return "param_groups are not AdamW's two groups of this model's parameters"
+        if not (isinstance(shapes, dict) and shapes.get("cpu") == rng_shape and all(
+                isinstance(v, list) and len(v) == 2 and v[0] == world_size and type(v[1]) is int and v[1] > 0
+                for v in shapes.values())):
+            return f"rng_shapes {shapes!r} are not an RNG state for each of world_size={world_size} ranks"
+        return None
+    expected, weights = model.state_dict(), ckpt["model"] if isinstance(ckpt["model"], dict) else {}
+    wrong = [k for k, v in expected.items() if not isinstance(weights.get(k), torch.Tensor)
+             or weights[k].shape != v.shape] + sorted(map(str, set(weights) - set(expected)))
     if wrong:
-        return f"model weight {wrong[0]} is missing or of another shape"
-    optimizer = ckpt["optimizer"]
-    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict)
-            and isinstance(optimizer.get("param_groups"), list) and len(optimizer["param_groups"]) == 2):
-        return "optimizer is not AdamW's state of two parameter groups"
+        return f"model weight {wrong[0]} is missing, not this model's, or of another shape"
+    rng = ckpt["rng"]
+    if not (isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor) and list(rng["cpu"].shape) == rng_shape
+            and all(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 2 and len(v) == world_size
+                    for v in rng.values())):
+        return f"rng is not an RNG state for each of world_size={world_size} ranks"
+    optimizer, shapes = ckpt["optimizer"], [shape for g in groups for _, shape in g]
+    state = optimizer.get("state") if isinstance(optimizer, dict) else None
+    positions = [list(range(len(groups[0]))), list(range(len(groups[0]), len(shapes)))]
+    adamw = lambda s, shape: isinstance(s, dict) and "step" in s and all(  # noqa: E731
+        isinstance(s.get(k), torch.Tensor) and s[k].shape == shape for k in ("exp_avg", "exp_avg_sq"))
+    if not (isinstance(state, dict) and _params_of(optimizer.get("param_groups")) == positions
+            and all(adamw(state.get(i), shape) for i, shape in enumerate(shapes))):
+        return "optimizer is not AdamW's state of two parameter groups, for each of this model's parameters"
+    return None
+
+
+def _params_of(param_groups):
+    """The parameters (names or positions) of each saved optimizer group, or None if they are not lists."""
+    if isinstance(param_groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                              for g in param_groups):
+        return [g["params"] for g in param_groups]
     return None
 
 

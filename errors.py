@@ -9,6 +9,9 @@ Messages longer than a line live here, each with the exception that carries it, 
 that raises them reads as control flow.
 """
 
+import argparse
+import os
+import signal
 import socket
 import sys
 import traceback
@@ -27,6 +30,21 @@ def first_line(e: BaseException, limit: int = 200) -> str:
     return (str(e).splitlines() or [""])[0][:limit]
 
 
+def load_failure(e: BaseException) -> str:
+    """Why torch.load could not read a file, in one line, never torch's advice to load it unsafely."""
+    if str(e).startswith("Weights only load failed"):
+        return "it is damaged, or holds objects that would run code when loaded, which weights_only=True refuses"
+    return f"{type(e).__name__}: {first_line(e)}"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the tools, whose mistakes (a value of the wrong type, an unknown option) are one
+    ConfigError line like any other, not its usage text."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (see {self.prog} --help)")
+
+
 @contextmanager
 def reported(debug: bool = False, also: tuple = ()):
     """Every entry point runs inside this: a ConfigError (or an exception of a class in `also`)
@@ -34,6 +52,9 @@ def reported(debug: bool = False, also: tuple = ()):
     only if debug. (train.py itself turns Ctrl-C into a stop with a checkpoint once it trains.)"""
     try:
         yield
+    except BrokenPipeError:  # stdout's reader went away (`| head`): end as a pipe's writer ends, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit flushes stdout once more)
+        sys.exit(128 + signal.SIGPIPE)
     except (ConfigError, RunError, KeyboardInterrupt, *also) as e:
         if debug:
             traceback.print_exc()

@@ -14,14 +14,13 @@ docs/eval.md says what the numbers mean and what GPT-2 scores. Every bad input e
 line on stderr and exit status 2.
 """
 
-import argparse
 from pathlib import Path
 
 import checkpoint
 import pretrained
 from collectives import agree_or_raise, collective_failures_explained, differs_from_rank0, process_group
 from config import Config
-from errors import ConfigError, reported
+from errors import ArgumentParser, ConfigError, reported
 from evals import hellaswag
 from loader import dataset_dir, eval_starts, read_dataset, token_splits
 from evals.loss import val_loss
@@ -29,7 +28,7 @@ from world import autocast, place
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     checkpoint.add_source_args(p)
     p.add_argument("--hellaswag", default="", help="a local hellaswag_val.jsonl (default: the cached copy)")
     p.add_argument("--limit", type=int, default=0, help="evaluate the first N examples only (0 = all)")

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from config import GPT2_NAMES
 from data.dataset import GPT2_EOT, GPT2_VOCAB_SIZE
-from errors import ConfigError, first_line
+from errors import ConfigError, first_line, load_failure
 from model import GPT, GPTConfig
 
 RELEASED = {name: f"openai-community/{name}" for name in GPT2_NAMES}
@@ -112,19 +112,24 @@ def locate(init_from: str) -> Path:
         return folder
     from huggingface_hub import snapshot_download
     wanted = dict(repo_id=RELEASED[init_from], allow_patterns=["config.json", "model.safetensors"])
+
+    def complete(folder) -> Path:  # a cached snapshot may hold config.json alone (a tokenizer's download)
+        if weight_file(Path(folder)) is None or not (Path(folder) / "config.json").is_file():
+            raise FileNotFoundError(f"{folder} lacks config.json or model.safetensors")
+        return Path(folder)
     try:
-        return Path(snapshot_download(**wanted, local_files_only=True))
+        return complete(snapshot_download(**wanted, local_files_only=True))
     except Exception:  # noqa: BLE001 - not in the cache: fetch it
         pass
     try:
-        return Path(snapshot_download(**wanted))
+        return complete(snapshot_download(**wanted))
     except Exception as e:  # noqa: BLE001 - offline, blocked, no such repo
         raise ConfigError(
             f"{init_from} is not in the Hugging Face cache and cannot be downloaded here "
-            f"({type(e).__name__}: {first_line(e, 120)}): on a machine with a network run "
-            f"`huggingface-cli download {RELEASED[init_from]} config.json model.safetensors --local-dir "
-            f"{init_from}` and pass --init_from=PATH_TO_THAT_FOLDER, or copy its cache "
-            f"(~/.cache/huggingface/hub)") from None
+            f"({type(e).__name__}: {first_line(e, 120)}): on a machine with a network run `hf download "
+            f"{RELEASED[init_from]} config.json model.safetensors --local-dir {init_from}` (`huggingface-cli "
+            f"download` before huggingface_hub 1.0) and pass --init_from=./{init_from} (a path), or copy its "
+            f"cache (~/.cache/huggingface/hub)") from None
 
 
 def read_shape(folder: Path) -> dict:
@@ -194,7 +199,7 @@ def load_state(init_from: str, model: GPT) -> dict:
     except ValueError as e:
         raise ConfigError(f"{path}: {first_line(e, 400)}") from None
     except Exception as e:  # noqa: BLE001 - a damaged file, or one that would run code
-        raise ConfigError(f"cannot read {path} ({type(e).__name__}: {first_line(e)})") from None
+        raise ConfigError(f"cannot read {path} ({load_failure(e)})") from None
 
 
 def load_gpt(init_from: str, device="cpu", shape: dict = None) -> GPT:

@@ -18,7 +18,6 @@ model) samples from those weights with GPT-2's tokenizer, no training run needed
 --num_samples samples are generated together, as one batch through the key/value cache.
 """
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -28,14 +27,14 @@ import torch
 import checkpoint
 import pretrained
 from data.tokenizers import tokenizer_from_meta
-from errors import ConfigError, reported
+from errors import ArgumentParser, ConfigError, reported
 from world import World, available_memory, pick_device
 
 CHUNK_BYTES = 2**31  # fixed, not the free memory: the same seed gives the same text on any machine
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     checkpoint.add_source_args(p)
     p.add_argument("--start", default="\n", help='prompt text, or FILE:path to read it from a file')
     p.add_argument("--num_samples", type=int, default=3)
@@ -51,7 +50,7 @@ def read_prompt(start: str) -> str:
     if start.startswith("FILE:"):
         path = Path(start[5:])
         if not path.is_file():
-            raise ConfigError(f"prompt file {path} does not exist")
+            raise ConfigError(f"prompt file {path} {'is a folder' if path.is_dir() else 'does not exist'}")
         try:
             start = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
@@ -61,14 +60,16 @@ def read_prompt(start: str) -> str:
     return start
 
 
-def batches(num_samples: int, length: int, config, device) -> list:
-    """Sample counts per generate call: all at once up to CHUNK_BYTES of key/value caches, logits
-    (float32) and `length` tokens, then in chunks of that size: a huge request runs in bounded memory."""
+def batches(num_samples: int, length: int, config, device):
+    """Sample counts per generate call, one at a time: all at once up to CHUNK_BYTES of key/value
+    caches, logits (float32) and `length` tokens, then in chunks of that size: a huge request runs
+    in bounded memory."""
     per_sample = 8 * config.n_layer * config.block_size * config.n_embd + 12 * config.vocab_size + 8 * length
     if per_sample > available_memory(device):
         raise ConfigError(f"one sample needs {per_sample / 1e9:.1f} GB, more than {device} has available")
     chunk = max(1, CHUNK_BYTES // per_sample)
-    return [min(chunk, num_samples - i) for i in range(0, num_samples, chunk)]
+    for i in range(0, num_samples, chunk):  # (a list of them all took memory without bound)
+        yield min(chunk, num_samples - i)
 
 
 def check(args):

@@ -83,11 +83,15 @@ def parts(path: Path):
         run_state = json.loads((path / "run.json").read_text())
         if not (isinstance(run_state, dict) and {"param_groups", "rng_shapes"} <= run_state.keys()):
             raise ValueError("run.json does not hold a run's state")
+        ends = {}
+        for info in metadata.storage_data.values():  # (the classes are DCP's; their values may be anything)
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        tensors_ok = all(isinstance(m.size, torch.Size) and isinstance(m.properties.dtype, torch.dtype)
+                         for m in metadata.state_dict_metadata.values())
+        if not tensors_ok or not all(isinstance(name, str) for name in ends):
+            raise ValueError("a tensor's entry is not a size, a dtype and a file name")
     except Exception as e:
         raise unreadable(f"its metadata is damaged ({type(e).__name__}: {first_line(e)})") from None
-    ends = {}
-    for info in metadata.storage_data.values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
         if not (path / name).is_file():
             raise unreadable(f"{name} (one rank's part) is missing")
@@ -172,8 +176,10 @@ class Background:
                 if commit:
                     commit()
             except BaseException as e:
+                self.error = f"{type(e).__name__}: {first_line(e)}"  # should explaining it fail too
                 self.error = _reason(e, out_dir, need)
-            self.finished.set()
+            finally:  # else failure(wait=True) would wait for ever
+                self.finished.set()
         future.add_done_callback(done)
 
     def failure(self, wait: bool):

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 import train
 from config import resolve
 from errors import ConfigError, reported
-from world import accumulation_steps, setup, strip_local_rank
+from world import World, setup, strip_local_rank
 
 
 def free_port() -> int:
@@ -50,8 +50,7 @@ def main(argv=None):
             nproc = int(text)
         # a bad config or device fails here once, not in N children
         cfg = resolve(strip_local_rank([a for a in args if a != "--debug"]))
-        setup(cfg, claim=False)
-        accumulation_steps(cfg, nproc)
+        setup(cfg, claim=False, world=World(size=nproc, local_size=nproc))  # as its rank 0 will see it
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     context = mp.spawn(worker, args=(nproc, args), nprocs=nproc, join=False)

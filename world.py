@@ -236,10 +236,11 @@ def accumulation_steps(cfg: Config, world_size: int) -> int:
     return cfg.global_batch_size // (cfg.batch_size * world_size)
 
 
-def place(device: str, dtype: str, backend: str, claim: bool = True) -> World:
-    """Ranks, device, dtype and backend, all checked before any group forms (eval.py's start-up).
-    claim=False only checks: a launcher's parent (train_spawn, bench) takes no GPU or threads."""
-    world = find_world()
+def place(device: str, dtype: str, backend: str, claim: bool = True, world: World = None) -> World:
+    """Ranks (`world`'s, else the launcher's), device, dtype and backend, all checked before any group
+    forms (eval.py's start-up). claim=False only checks: a launcher's parent (train_spawn, bench)
+    takes no GPU or threads."""
+    world = world or find_world()
     world.device = pick_device(device, world)
     if claim and world.device.type == "cpu":
         keep_cpu_memory_lean()  # before the first tensor (pick_dtype may make one)
@@ -250,9 +251,9 @@ def place(device: str, dtype: str, backend: str, claim: bool = True) -> World:
     return world
 
 
-def setup(cfg: Config, claim: bool = True) -> World:
+def setup(cfg: Config, claim: bool = True, world: World = None) -> World:
     """place() and the accumulation steps, checked before any group forms."""
-    world = place(cfg.device, cfg.dtype, cfg.backend, claim)
+    world = place(cfg.device, cfg.dtype, cfg.backend, claim, world)
     world.accum = accumulation_steps(cfg, world.size)
     if cfg.fsdp_shard_size and world.size % cfg.fsdp_shard_size:
         raise ConfigError(f"fsdp_shard_size ({cfg.fsdp_shard_size}) must divide the world size ({world.size}): "

@@ -35,7 +35,8 @@ KNOWN_CORPORA = {
 def prepare_parser(doc: str, input_help: str = "a local UTF-8 text file to use instead of Shakespeare"
                    ) -> argparse.ArgumentParser:
     """The options every prepare script takes; a script may add its own."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    from errors import ArgumentParser  # (one line for a bad option, as for any bad input)
+    parser = ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--input", help=input_help)
     parser.add_argument("--out_dir", help="where to write the dataset (default: this script's folder)")
     return parser

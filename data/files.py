@@ -87,7 +87,10 @@ def tensor_bytes(obj) -> int:
 def disk_full(e: BaseException, folder: Path, need: int):
     """torch's zip writer reports a write cut short as "unexpected pos": the message, when the
     disk is full, that says so (else None)."""
-    free = shutil.disk_usage(folder).free
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:  # the folder is gone: whatever happened, it was not only a full disk
+        return None
     if "unexpected pos" in str(e) and free < need:
         return f"No space left on device: a checkpoint takes about {need / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free"
     return None

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_VOCAB_SIZE, PROGRESS, load_meta, write_shard
 from data.corpora import prepare_parser
 from data.files import atomic_write_bytes, remove_stale_temporaries
+from data.tokenizers import gpt2_encoding
 
 
 def shard_arguments(doc: str, repo_id: str) -> argparse.ArgumentParser:
@@ -151,7 +152,6 @@ _encoder = None  # the worker's tiktoken Encoding, or the exception loading it r
 
 def _start_worker():
     global _encoder
-    from data.tokenizers import gpt2_encoding
     try:
         _encoder = gpt2_encoding(verbose=False)
     except Exception as e:  # noqa: BLE001  an initializer that raises is restarted by the Pool forever
@@ -245,13 +245,12 @@ def read_progress(out_dir, settings: dict = None) -> dict:
 def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, workers: int,
                  route: Callable[[int], str], split_of_shard: dict, settings: dict,
                  counts: list = None) -> dict:
-    """Tokenize every document of `source` into shards; return the meta.json written.
-
-    route(doc) names a document's stream; split_of_shard[stream](n) the split of its n-th shard.
-    `settings` (whatever decides the output) must match to resume. `counts`, documents per
-    file, may be known beforehand (a split by document needs them)."""
+    """Tokenize every document of `source` into shards; return the meta.json written. route(doc)
+    names a document's stream, split_of_shard[stream](n) the split of its n-th shard. `settings`
+    (whatever decides the output) must match to resume. `counts`: documents per file, if known."""
     if not 1 <= shard_tokens < 2**31 or workers < 1:  # a shard's header counts its tokens in an int32
         raise ValueError(f"--shard_tokens ({shard_tokens}) must be 1 to 2**31 - 1, --workers ({workers}) positive")
+    gpt2_encoding(verbose=False)  # a bad vocabulary file is one line here, not in every worker
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out_dir)  # a shard cut short when a previous run was killed
@@ -290,8 +289,6 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
             streams[route(doc)].add(doc, tokens, on_shard)
             bar.update(len(tokens))
 
-    from data.tokenizers import gpt2_encoding
-    gpt2_encoding(verbose=False)  # a bad vocabulary file is reported here, before any download
     # Two blocks in flight at most, so memory stays bounded (Pool.imap would read all ahead).
     with mp.get_context("spawn").Pool(workers, initializer=_start_worker) as pool:
         pending, docs = None, documents()

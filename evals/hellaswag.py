@@ -51,7 +51,8 @@ def locate(path: str = "") -> Path:
     """The validation file: `path` when given, else the cached copy, else downloaded into the cache."""
     if path:
         if not Path(path).is_file():
-            raise ConfigError(f"HellaSwag file {path} does not exist: give the path of a hellaswag_val.jsonl")
+            raise ConfigError(f"HellaSwag file {path} {'is a folder' if Path(path).is_dir() else 'does not exist'}: "
+                              f"give the path of a hellaswag_val.jsonl")
         return Path(path)
     cache = cache_path()
     if cache.is_file():
@@ -98,12 +99,15 @@ def read_examples(path: Path, limit: int = 0) -> list:
     the whole file is checked either way, so a bad line is found before anything is scored."""
     examples = []
     try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ConfigError(f"{path}, line {n} is not UTF-8 text ({e.reason} at byte {e.start} "
+                                      f"of the line)") from None
                 if line.strip():
                     examples.append(parse_line(line, f"{path}, line {n}"))
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
     if not examples:
@@ -124,15 +128,16 @@ class Example:
 
 def render(ctx: str, endings: list, label: int, encode, block_size: int) -> Example:
     """Tokens as llm.c renders them: encode(ctx), then encode(" " + ending) for each ending.
-    A context too long for block_size loses its oldest tokens, like a model reading a stream;
+    A row is block_size + 1 tokens at most (the model reads all but its last, as a training
+    window). A context too long for that loses its oldest tokens, like a model reading a stream;
     one is always kept (it predicts the ending's first token), and an ending that still does
     not fit is cut at its end."""
     context = encode(ctx)
     ends = [encode(" " + e) for e in endings]
-    keep = max(1, block_size - max(map(len, ends)))
+    keep = max(1, block_size + 1 - max(map(len, ends)))
     truncated = len(context) > keep
     context = context[-keep:]
-    ends = [e[:block_size - len(context)] for e in ends]
+    ends = [e[:block_size + 1 - len(context)] for e in ends]
     return Example([context + e for e in ends], len(context), label, truncated)
 
 

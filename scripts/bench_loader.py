@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from errors import ConfigError, RunError, reported  # noqa: E402
+from errors import ArgumentParser, ConfigError, RunError, reported  # noqa: E402
 
 
 def make(folder: Path, n_tokens: int, shards: int) -> list:
@@ -71,7 +71,7 @@ def measure(files: list, block_size: int, batch_size: int, batches: int = 200) -
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="4e6,4e8,4e9", help="dataset sizes in bytes, comma-separated")
     p.add_argument("--block_size", type=int, default=1024)
     p.add_argument("--batch_size", type=int, default=12)

@@ -9,7 +9,6 @@ from either (resume=auto takes the newest in out_dir); sample.py, eval.py and
 scripts/export_hf.py read either. Bad input: one line on stderr, exit 2.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -20,11 +19,11 @@ import torch  # noqa: E402
 
 import checkpoint  # noqa: E402
 from data.files import atomic_write  # noqa: E402
-from errors import ConfigError, reported  # noqa: E402
+from errors import ArgumentParser, ConfigError, reported  # noqa: E402
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("source", type=Path, help="a sharded checkpoint folder, e.g. out/last.dcp")
     p.add_argument("dest", type=Path, help="the .pt file to write (replaced atomically if it exists)")
     args = p.parse_args(argv)
@@ -33,6 +32,8 @@ def main(argv=None):
     if args.dest.suffix != ".pt":
         raise ConfigError(f"{args.dest}: name the file NAME.pt, as train.py and resume= expect")
     state = checkpoint.read(args.source)
+    if missing := [k for k in checkpoint.REQUIRED if k not in state]:
+        raise ConfigError(f"{args.source} lacks {missing}: it was not written by this train.py")
     try:
         atomic_write(args.dest, lambda f: torch.save(state, f))
     except OSError as e:

@@ -14,7 +14,6 @@ loads it and computes the logits this repo computes. A character-level model is 
 bias=False gets zero biases, which compute the same. Bad input: one line on stderr, exit 2.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -23,11 +22,11 @@ sys.path.insert(0, str(REPO))
 
 import checkpoint  # noqa: E402
 import pretrained  # noqa: E402
-from errors import ConfigError, reported  # noqa: E402
+from errors import ArgumentParser, ConfigError, reported  # noqa: E402
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out_dir", default="out", help="the training run's folder (checkpoints and meta.json)")
     p.add_argument("--checkpoint", choices=("best", "last"), default="best",
                    help="best (the default; last when there is none) or last, .pt or .dcp (the newer)")

@@ -21,14 +21,13 @@ training; "sharded" has each rank write its own 12/W, and async_checkpoint stage
 first (another 12/W per rank for as long as the background write runs).
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.dataset import GPT2_VOCAB_SIZE  # noqa: E402
-from errors import ConfigError, reported  # noqa: E402
+from errors import ArgumentParser, ConfigError, reported  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 SIZES = {"gpt2 (124M)": (12, 12, 768), "gpt2-medium (350M)": (24, 16, 1024),
@@ -76,16 +75,16 @@ def activations(n_layer, n_embd, checkpointing: bool) -> float:
 
 
 def table(worlds: list, batch: int) -> str:
-    head = " | ".join(f"FSDP W={w}" for w in worlds if w > 1)
-    lines = [f"| model | parameters | DDP (any W) | {head} | activations per sequence | "
-             f"with checkpointing |",
-             "|---|---|---|" + "---|" * sum(w > 1 for w in worlds) + "---|---|"]
+    sharded = [w for w in worlds if w > 1]  # (W=1 is DDP's column)
+    head = ["model", "parameters", "DDP (any W)", *(f"FSDP W={w}" for w in sharded), "activations per sequence",
+            "with checkpointing"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, (layers, heads, width) in SIZES.items():
         total, block = n_params(layers, heads, width)
-        ddp = state_bytes_per_rank(total, block, "ddp", 1)
-        fsdp = " | ".join(f"{state_bytes_per_rank(total, block, 'fsdp', w) / GB:.2f} GB" for w in worlds if w > 1)
-        lines.append(f"| {name} | {total / 1e6:.0f}M | {ddp / GB:.2f} GB | {fsdp} | "
-                     f"{activations(layers, width, False) / GB:.2f} GB | {activations(layers, width, True) / GB:.2f} GB |")
+        state = [state_bytes_per_rank(total, block, "fsdp" if w > 1 else "ddp", w) for w in [1, *sharded]]
+        cells = [name, f"{total / 1e6:.0f}M", *(f"{b / GB:.2f} GB" for b in state),
+                 *(f"{activations(layers, width, c) / GB:.2f} GB" for c in (False, True))]
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Host memory for a save (W={max(worlds)}), on top of training: file on rank 0 | "
                   f"sharded, any rank | sharded + async, any rank", ""]
     for name, (layers, heads, width) in SIZES.items():
@@ -97,7 +96,7 @@ def table(worlds: list, batch: int) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", default="1,2,4,8", help="process counts for the FSDP columns")
     p.add_argument("--batch_size", type=int, default=8)
     args = p.parse_args(argv)

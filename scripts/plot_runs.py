@@ -13,14 +13,13 @@ metrics.jsonl, or with no loss in it, is one line on stderr and exit 2; an unrea
 it (cut short by a kill) is skipped with a warning, as train.py does on a resume.
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from errors import ConfigError, reported  # noqa: E402
+from errors import ArgumentParser, ConfigError, reported  # noqa: E402
 from logger import read_metrics  # noqa: E402
 
 GPT2_124M_ACC_NORM = 0.2955  # llm.c dev/data/hellaswag.py, completion style (docs/eval.md)
@@ -96,7 +95,7 @@ def plot(runs: dict, out: Path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out_dirs", nargs="+", help="training runs' out_dir folders")
     p.add_argument("--out", default="runs.png", help="the PNG to write")
     p.add_argument("--labels", default="", help="comma-separated labels, one per folder")

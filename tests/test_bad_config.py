@@ -297,6 +297,18 @@ def test_train_spawn_exits_2_and_debug_shows_the_traceback(char_data, tmp_path, 
     assert nothing_written(tmp_path / "out")
 
 
+@pytest.mark.parametrize("launcher, args, message", [
+    ("train_spawn.py", ["--nproc=4", "--global_batch_size=6"],
+     "global_batch_size (6) must be divisible by batch_size (4) x world size (4) = 16: try --global_batch_size=16"),
+    ("bench.py", ["--nproc=4", "--strategies=fsdp", "--strategy=fsdp", "--fsdp_shard_size=3", "--global_batch_size=48"],
+     "fsdp_shard_size (3) must divide the world size (4): e.g. the processes per host, 4"),
+])
+def test_a_launchers_own_check_is_for_the_world_it_will_start(char_data, tmp_path, script, launcher, args, message):
+    """(once its parent checked the batch and fsdp_shard_size for a world of one process)"""
+    proc = script(launcher, *tiny_args(char_data, tmp_path / "out"), *args)
+    assert proc.returncode == 2 and proc.stderr == f"error: {message}\n", proc.stderr
+
+
 def test_train_spawn_exits_1_when_a_rank_is_killed_by_a_signal(char_data, tmp_path, script, monkeypatch):
     # sys.exit(-9) would end the launcher with status 247
     import torch.multiprocessing as mp

@@ -78,6 +78,15 @@ def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained
     assert [torch.load(out / f"{k}.pt", weights_only=True)["step"] for k in ("previous", "last")] == [5, 10]
 
 
+def test_a_previous_pt_resumed_by_another_spelling_of_its_path_is_kept(trained_copy, char_data):
+    out = trained_copy
+    (out / "last.pt").write_bytes(b"damaged")
+    # once compared as text: out/../out/previous.pt was taken for a file outside out_dir, and the
+    # damaged last.pt rotated over the checkpoint the run had resumed from
+    train_here(char_data, out, max_iters=10, eval_interval=5, resume=f"{out}/../{out.name}/previous.pt")
+    assert [torch.load(out / f"{k}.pt", weights_only=True)["step"] for k in ("previous", "last")] == [5, 10]
+
+
 def test_resume_auto_tries_a_last_before_its_previous_whatever_their_times(tmp_path):
     """Newest first, but a copied or touched previous.pt no longer goes before last.pt (the
     save from it, not rotating, then overwrote the good last.pt)."""
@@ -104,14 +113,6 @@ def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_prev
     assert [torch.load(out / f"{k}.pt", weights_only=True)["step"] for k in ("previous", "last")] == [5, 15]
 
 
-def test_a_loader_epoch_before_the_first_is_refused_at_resume():
-    """An epoch below -1 (there is none before -1: not started) would fail mid-run in numpy's seeding."""
-    ckpt = {"step": 4, "world_size": 1, "best_val_loss": 2.0, "scaler": {}, "model": None}
-    cfg = resolve([])
-    assert checkpoint.malformed({**ckpt, "loader": {"epoch": -1, "position": 0}}, {}, cfg) is None
-    assert "is not an epoch" in checkpoint.malformed({**ckpt, "loader": {"epoch": -5, "position": 0}}, {}, cfg)
-
-
 @pytest.mark.parametrize("problem, message", [
     ("missing", "nothing to resume from"),
     ("random bytes", "cannot read checkpoint"),
@@ -121,8 +122,15 @@ def test_a_loader_epoch_before_the_first_is_refused_at_resume():
     ({"step": "10"}, "step '10' or world_size 1 is not a whole number"),
     ({"loader": {"epoch": 0}}, "loader {'epoch': 0} is not an epoch (-1 before the first) and a position"),
     ({"loader": {"epoch": 0, "position": 3}}, "a position that is a multiple of global_batch_size"),
+    ({"loader": {"epoch": -5, "position": 0}}, "is not an epoch (-1 before the first)"),  # once numpy's error
     ({"optimizer": {}}, "optimizer is not AdamW's state of two parameter groups"),
-    ({"model": {}}, "model weight transformer.wte.weight is missing or of another shape"),
+    # once a heap corruption (fused AdamW wrote past the end), and a resume with fresh moments
+    (lambda ck: ck["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)), "optimizer is not AdamW's state"),
+    (lambda ck: ck["optimizer"]["state"].clear(), "optimizer is not AdamW's state"),
+    ({"model": {}}, "model weight transformer.wte.weight is missing, not this model's, or of another shape"),
+    (lambda ck: ck["model"].update(extra=torch.zeros(1)), "model weight extra is missing, not this model's"),
+    ({"rng": None}, "rng is not an RNG state for each of world_size=1 ranks"),
+    ({"val_loss": torch.tensor(1.0)}, "a value beside the tensors is not plain data"),  # broken JSON for rank 1
 ])
 def test_bad_checkpoints_are_clear_errors_naming_the_file(trained_copy, tmp_path, script, problem, message):
     """(a dict: a checkpoint with those values changed)"""
@@ -136,7 +144,10 @@ def test_bad_checkpoints_are_clear_errors_naming_the_file(trained_copy, tmp_path
         overrides = {"n_embd": 64}
     elif problem != "missing":
         ckpt = torch.load(out / "last.pt", weights_only=True)
-        torch.save({**ckpt, **({"format": 99} if problem == "unknown format" else problem)}, path)
+        if callable(problem):
+            problem(ckpt)
+        torch.save({**ckpt, **({"format": 99} if problem == "unknown format" else {} if callable(problem) else problem)},
+                   path)
     proc = script("train.py", *tiny_args(data_dir_of(out), out, resume=str(path), **overrides))
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and str(path) in proc.stderr and "Traceback" not in proc.stderr
@@ -167,7 +178,7 @@ def test_a_checkpoint_that_would_run_code_is_refused(trained_copy, tmp_path):
 def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temporaries(trained_copy, tmp_path,
                                                                                    monkeypatch):
     out = trained_copy
-    before = (out / "last.pt").read_bytes()
+    before, previous = (out / "last.pt").read_bytes(), (out / "previous.pt").read_bytes()
     real_save = torch.save
 
     def save_then_fail(obj, f, *args, **kwargs):
@@ -178,7 +189,9 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temporar
     monkeypatch.setattr(torch, "save", save_then_fail)
     with pytest.raises(OSError, match="No space left"):
         checkpoint.save({"step": 11}, out, best=False)
-    assert (out / "last.pt").read_bytes() == before
+    # nothing rotated: previous.pt is not last.pt's second name (a fallback once lost to a full disk)
+    assert (out / "last.pt").read_bytes() == before and (out / "previous.pt").read_bytes() == previous
+    assert not (out / "previous.pt").samefile(out / "last.pt")
     assert not list(out.glob(".*.tmp"))
     # the same failure inside a run: a message, and the run's last good checkpoint stays
     with pytest.raises(RunError, match="could not write a checkpoint at step 12.*No space left"):

@@ -115,13 +115,16 @@ def test_acc_and_each_chosen_ending_match_a_transformers_reference(hf_folder, hs
 def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path, capsys):
     enc = gpt2_encoding(verbose=False)
     ex = hellaswag.render("a b c d e f g h i j k l", ["m n", "o", "p q r", "s"], 2, enc.encode_ordinary, 8)
-    context = enc.encode_ordinary("a b c d e f g h i j k l")[-5:]  # 8 minus the longest ending's 3
-    assert ex.truncated and ex.start == 5 and ex.rows[2] == context + enc.encode_ordinary(" p q r")
-    assert all(len(row) <= 8 for row in ex.rows)
+    # a row is at most 9 tokens (the model reads 8, as a training window of 9): 9 minus the longest ending's 3
+    context = enc.encode_ordinary("a b c d e f g h i j k l")[-6:]
+    assert ex.truncated and ex.start == 6 and ex.rows[2] == context + enc.encode_ordinary(" p q r")
+    assert max(len(row) for row in ex.rows) == 9
+    fits = hellaswag.render("a b c d e f", ["m n", "o", "p q r", "s"], 2, enc.encode_ordinary, 8)
+    assert not fits.truncated and fits.start == 6  # 6 + 3 tokens: the model reads 8, which fit
     path = write_examples(tmp_path / "long.jsonl", 12, seed=1, ctx_words=(2, 40))
     examples = hellaswag.load(str(path), block_size=24)
     long = sum(len(enc.encode_ordinary(json.loads(line)["ctx"])) + max(len(enc.encode_ordinary(" " + e)) for e in
-               json.loads(line)["endings"]) > 24 for line in open(path))
+               json.loads(line)["endings"]) > 25 for line in open(path))
     assert 0 < long < 12 and sum(ex.truncated for ex in examples) == long
     # eval.py, on a GPT-2 of 24 positions, scores them all and says how many were cut
     short = tmp_path / "short-gpt2"
@@ -143,11 +146,12 @@ def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path
     ('{"ctx": "a", "endings": ["b", "c", "d"], "label": 0}', "endings must be a list of 4 strings, got 3 items"),
     ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 4}', "label must be 0, 1, 2 or 3"),
     ('["a", "b"]', "is not a JSON object"),
+    (b'{"ctx": "\xff"}', "is not UTF-8 text (invalid start byte at byte 9 of the line)"),  # once the byte of a chunk
 ])
 def test_a_malformed_line_is_one_error_naming_its_number(hf_folder, hs_file, tmp_path, capsys, line, needle):
-    lines = open(hs_file).read().splitlines()
+    lines = open(hs_file, "rb").read().splitlines()
     bad = tmp_path / "bad.jsonl"
-    bad.write_text("\n".join(lines[:4] + [line] + lines[4:]) + "\n")
+    bad.write_bytes(b"\n".join(lines[:4] + [line if isinstance(line, bytes) else line.encode()] + lines[4:]) + b"\n")
     error = fails(["--init_from", hf_folder, "--hellaswag", bad, "--limit=2"], capsys)  # checked past the limit
     assert f"{bad}, line 5" in error and needle in error
 
@@ -159,6 +163,7 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
     error = fails(["--init_from", hf_folder], capsys)
     assert str(hellaswag.cache_path()) in error and "--hellaswag=PATH" in error and "hellaswag_path" in error
     assert "does not exist" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path / "nowhere.jsonl"], capsys)
+    assert f"HellaSwag file {tmp_path} is a folder" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path], capsys)
     for timeout in ("-1", "nan"):
         error = fails(["--init_from", hf_folder, f"--dist_timeout={timeout}"], capsys)
         assert "--dist_timeout must be positive seconds" in error

@@ -106,8 +106,11 @@ def test_pytorch_model_bin_is_read_with_weights_only(tmp_path):
 def test_a_pickled_object_in_pytorch_model_bin_is_refused_not_run(tmp_path):
     hf_model().config.save_pretrained(tmp_path)
     torch.save({"x": object(), "pad": torch.zeros(2 * 10**6, dtype=torch.uint8)}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(ConfigError, match="cannot read .*pytorch_model.bin"):
+    with pytest.raises(ConfigError, match="cannot read .*pytorch_model.bin") as error:
         pretrained.load_gpt(str(tmp_path))
+    # not torch's advice (with terminal escapes) to load it unsafely
+    assert str(error.value).endswith("(it is damaged, or holds objects that would run code when loaded, which "
+                                     "weights_only=True refuses)")
 
 
 def test_the_position_table_is_cropped_and_the_vocabulary_padded(hf_folder):
@@ -256,12 +259,19 @@ def test_a_damaged_folder_is_one_line_on_every_launcher(tmp_path, bpe_data, hf_f
 
 
 @pytest.mark.slow  # a process of its own: huggingface_hub reads HF_HOME when imported
-def test_a_released_name_offline_and_uncached_says_where_to_put_the_files(tmp_path, bpe_data):
+def test_a_released_name_offline_and_uncached_says_where_to_put_the_files(tmp_path, bpe_data, hf_folder):
+    # the cache holds gpt2's config.json alone (what a tokenizer's download leaves): once a traceback
+    repo = tmp_path / "hf-home" / "hub" / "models--openai-community--gpt2"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123" / "config.json").write_text((hf_folder / "config.json").read_text())
     proc = python("train.py", *tiny_args(bpe_data, tmp_path / "out", dataset="shakespeare", init_from="gpt2",
                                          max_iters=0), HF_HOME=tmp_path / "hf-home", HF_HUB_OFFLINE=1)
     assert proc.returncode == 2, proc.stderr
     line, = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert "gpt2 is not in the Hugging Face cache" in line and "--init_from=PATH" in line
+    assert "gpt2 is not in the Hugging Face cache" in line and "--init_from=./gpt2 (a path)" in line
+    assert "`hf download openai-community/gpt2 config.json model.safetensors --local-dir gpt2`" in line
 
 
 def test_a_mistyped_name_gets_a_suggestion():

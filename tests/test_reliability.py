@@ -2,6 +2,7 @@
 survived, or ends in one `error:` line (the same on every rank) and the documented exit status;
 never a traceback."""
 
+import itertools
 import json
 import os
 import random
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import tracemalloc
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -164,12 +166,18 @@ def test_an_impossible_model_is_refused_before_anything_is_allocated(char_data, 
 def test_a_huge_sample_request_runs_in_bounded_batches(monkeypatch):
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65)
     per_sample = 8 * 2 * 16 * 32 + 12 * 65 + 8 * 20
-    assert sample.batches(5, 20, config, torch.device("cpu")) == [5]  # small: one generate call
+    assert list(sample.batches(5, 20, config, torch.device("cpu"))) == [5]  # small: one generate call
+    # planned one batch at a time (a list of them all once took memory without bound)
+    tracemalloc.start()
+    first = list(itertools.islice(sample.batches(10**11, 20, config, torch.device("cpu")), 2))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert first[0] == first[1] > 1 and peak < 10**6
     monkeypatch.setattr(sample, "CHUNK_BYTES", 2 * per_sample)
-    assert sample.batches(5, 20, config, torch.device("cpu")) == [2, 2, 1]
+    assert list(sample.batches(5, 20, config, torch.device("cpu"))) == [2, 2, 1]
     monkeypatch.setattr(sample, "available_memory", lambda device: per_sample - 1)
     with pytest.raises(ConfigError, match="one sample needs"):
-        sample.batches(1, 20, config, torch.device("cpu"))
+        next(sample.batches(1, 20, config, torch.device("cpu")))
 
 
 def test_a_non_finite_number_is_named_as_such():
@@ -243,6 +251,21 @@ def test_every_entry_point_meets_bad_input_with_one_line(entry, kind, char_data,
     one_error(proc.stderr)
 
 
+@pytest.mark.parametrize("tool, args", [("eval.py", ["--limit=x"]), ("data/shakespeare_char/prepare.py", ["--bogus"]),
+                                        ("scripts/memory_guide.py", ["--batch_size=x"])])
+def test_a_tools_malformed_option_is_one_line_not_its_usage(script, tool, args):
+    proc = script(tool, *args)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.endswith(f"(see {Path(tool).name} --help)\n")
+
+
+@pytest.mark.parametrize("world", ["1", "1,2,4"])
+def test_the_memory_guide_table_has_a_cell_under_every_heading(script, world):
+    rows = [line for line in script("scripts/memory_guide.py", f"--world={world}").stdout.splitlines()
+            if line.startswith("|")]
+    assert len(rows) == 6 and len({row.count("|") for row in rows}) == 1, rows  # (once a column short for W=1)
+
+
 def test_bench_loader_says_why_a_measurement_failed(script, monkeypatch):
     """Its measuring child's last line (here a window order too large for memory), not a traceback."""
     failed = subprocess.CompletedProcess([], 1, "", "Traceback (most recent call last):\n  ...\n"
@@ -251,6 +274,19 @@ def test_bench_loader_says_why_a_measurement_failed(script, monkeypatch):
     proc = script("scripts/bench_loader.py", "--sizes=4e6", "--block_size=16")
     assert proc.returncode == 1 and proc.stderr == ("error: measuring 4,000,000 bytes in 1 shard(s) failed: "
                                                     "MemoryError: Unable to allocate 149. GiB\n"), proc.stderr
+
+
+@pytest.mark.slow
+def test_a_tool_piped_into_head_ends_quietly(a_run):
+    """`sample.py | head -1`: the reader goes away mid-output; the writer ends as a pipe's writer
+    does (128 + SIGPIPE), with no traceback. (Its output is more than a pipe's buffer holds.)"""
+    proc = subprocess.Popen([sys.executable, "sample.py", f"--out_dir={a_run}", "--num_samples=2000",
+                             "--max_new_tokens=100"], cwd=REPO, env=child_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE and "Traceback" not in err and "error" not in err, err
 
 
 @pytest.mark.slow

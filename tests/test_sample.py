@@ -67,6 +67,8 @@ def write(path, data: bytes):
     (["--top_k=-3"], "--top_k must be >= 0 (0 = no top-k filtering), got -3"),
     (["--device=tpu"], "device 'tpu' is not one this trainer runs on"),
     (["--start=FILE:/nonexistent/prompt.txt"], "prompt file /nonexistent/prompt.txt does not exist"),
+    ([lambda tmp: f"--start=FILE:{tmp}"], "is a folder"),
+    (["--temperature=abc"], "argument --temperature: invalid float value: 'abc' (see sample.py --help)"),
     (["--start="], "the prompt is empty"),
     ([lambda tmp: f"--start=FILE:{write(tmp / 'empty.txt', b'')}"], "the prompt is empty"),
     ([lambda tmp: f"--start=FILE:{write(tmp / 'latin1.txt', b'caf' + bytes([0xE9]))}"],

@@ -5,6 +5,7 @@ The same on several processes, resharded across world sizes and strategies: test
 a rank that does not see the folder: tests/test_fsdp.py; a full disk under async saves:
 tests/test_reliability.py."""
 
+import json
 import pickle
 import shutil
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sharded import TMP
+from sharded import TMP, Background
 from harness import ckpt, no_temporaries, tiny_args, train_here
 
 SAME = dict(max_iters=12, eval_interval=4, lr_decay_iters=12)  # one schedule for every leg
@@ -97,6 +98,11 @@ def damage(kind: str, last: Path):
         (last / "__0_0.distcp").write_bytes(bytes((last / "__0_0.distcp").stat().st_size))
     elif kind == "metadata that runs code":
         (last / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    elif kind == "metadata of other types":  # DCP's own classes, holding what they never hold
+        with open(last / ".metadata", "rb") as f:
+            metadata = pickle.load(f)
+        metadata.storage_data = {k: 1 for k in metadata.storage_data}
+        (last / ".metadata").write_bytes(pickle.dumps(metadata))
     elif kind == "metadata garbage":
         (last / ".metadata").write_bytes(b"not a pickle")
     elif kind == "run.json of another shape":
@@ -110,6 +116,7 @@ def damage(kind: str, last: Path):
     ("a part's data zeroed", "rank 0: its data is damaged (weights_only=True reads nothing but plain tensors)"),
     ("metadata that runs code", "it names pathlib.Path.touch"),
     ("metadata garbage", "its metadata is damaged"),
+    ("metadata of other types", "its metadata is damaged (AttributeError: 'int' object has no attribute"),
     ("run.json of another shape", "run.json does not hold a run's state"),
 ])
 def test_a_bad_sharded_checkpoint_is_one_line_and_auto_falls_back_to_previous(
@@ -128,6 +135,38 @@ def test_a_bad_sharded_checkpoint_is_one_line_and_auto_falls_back_to_previous(
     assert ckpt(out, "last.dcp")["step"] == 12
     assert ckpt(out, "previous.dcp")["step"] == 8  # the damaged last.dcp did not replace it
     assert not Path("/tmp/sharded-exploit-ran").exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"param_groups": []}, "param_groups are not AdamW's two groups of this model's parameters"),
+    ({"rng_shapes": {"cpu": "x"}}, "rng_shapes {'cpu': 'x'} are not an RNG state for each of world_size=1 ranks"),
+])
+def test_a_hand_edited_run_json_is_one_line(char_data, sharded, tmp_path, script, edit, message):
+    out = Path(shutil.copytree(sharded, tmp_path / "out"))
+    run_json = out / "last.dcp" / "run.json"
+    run_json.write_text(json.dumps({**json.loads(run_json.read_text()), **edit}))
+    ran = script("train.py", *tiny_args(char_data, out, resume=str(out / "last.dcp"), **SAME))
+    assert ran.returncode == 2 and message in ran.stderr.splitlines()[-1] and "Traceback" not in ran.stderr, ran.stderr
+
+
+def test_the_converter_checks_a_folder_before_writing(sharded, tmp_path, script):
+    out = Path(shutil.copytree(sharded, tmp_path / "out"))
+    run_json = out / "last.dcp" / "run.json"
+    run_json.write_text(json.dumps({k: v for k, v in json.loads(run_json.read_text()).items() if k != "step"}))
+    ran = script("scripts/convert_checkpoint.py", out / "last.dcp", tmp_path / "x.pt")
+    assert ran.returncode == 2 and "lacks ['step']: it was not written by this train.py" in ran.stderr, ran.stderr
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_a_background_save_whose_folder_is_gone_still_ends_with_its_failure(tmp_path):
+    """Explaining the failure looked at the folder's free space and raised in DCP's callback:
+    the save never finished, and the run waited for it for ever."""
+    from concurrent.futures import Future
+    future = Future()
+    background = Background(future, tmp_path / "gone", None, step=5, need=100)
+    future.set_exception(OSError(2, "No such file or directory"))
+    assert background.finished.wait(timeout=10)
+    assert background.failure(wait=True) == "FileNotFoundError: [Errno 2] No such file or directory"
 
 
 def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(char_data, sharded, tmp_path, script):
