@@ -101,12 +101,16 @@ def weight_file(folder: Path):
     return next((folder / f for f in WEIGHT_FILES if (folder / f).is_file()), None)
 
 
+def is_model_folder(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and weight_file(folder) is not None
+
+
 @functools.lru_cache(maxsize=None)  # model_args() and load_state() both ask: look (or download) once
 def locate(init_from: str) -> Path:
     """The folder of a released model (from the Hugging Face cache, else downloaded) or a path."""
     if init_from not in RELEASED:
         folder = Path(init_from)
-        if not (folder / "config.json").is_file() or weight_file(folder) is None:
+        if not is_model_folder(folder):
             raise ConfigError(f"init_from {init_from}: no Hugging Face GPT-2 model there (a folder with "
                               f"config.json and model.safetensors or pytorch_model.bin)")
         return folder
@@ -114,7 +118,7 @@ def locate(init_from: str) -> Path:
     wanted = dict(repo_id=RELEASED[init_from], allow_patterns=["config.json", "model.safetensors"])
 
     def complete(folder) -> Path:  # a cached snapshot may hold config.json alone (a tokenizer's download)
-        if weight_file(Path(folder)) is None or not (Path(folder) / "config.json").is_file():
+        if not is_model_folder(Path(folder)):
             raise FileNotFoundError(f"{folder} lacks config.json or model.safetensors")
         return Path(folder)
     try:

@@ -86,7 +86,7 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if (out_dir / PROGRESS).exists() or any(is_loose_shard(p) for p in out_dir.iterdir()):
+    if has_shards(out_dir):
         raise ValueError(f"{out_dir} holds token shards (a sharded dataset, or one being prepared): train.bin "
                          f"and val.bin there would make its shards unread; choose another --out_dir")
     vocab_size = meta["vocab_size"]
@@ -132,9 +132,13 @@ PROGRESS = ".progress.json"  # data/streaming.py's record of a preparation under
 def has_tokens(data_dir) -> bool:
     """Whether the folder holds a dataset to read (meta.json, or shards without one), or the
     start of one (which load_meta refuses: it is not to be prepared over)."""
+    return (Path(data_dir) / "meta.json").is_file() or has_shards(data_dir)
+
+
+def has_shards(data_dir) -> bool:
+    """Whether the folder holds token shards, or a preparation of them under way."""
     data_dir = Path(data_dir)
-    return any((data_dir / name).is_file() for name in ("meta.json", PROGRESS)) or (data_dir.is_dir() and any(
-        is_loose_shard(p) for p in data_dir.iterdir()))
+    return (data_dir / PROGRESS).is_file() or (data_dir.is_dir() and any(is_loose_shard(p) for p in data_dir.iterdir()))
 
 
 def meta_from_shards(data_dir) -> dict:

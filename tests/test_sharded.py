@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sharded import TMP, Background
+from sharded import TMP, Background, _MetadataUnpickler
 from harness import ckpt, no_temporaries, tiny_args, train_here
 
 SAME = dict(max_iters=12, eval_interval=4, lr_decay_iters=12)  # one schedule for every leg
@@ -100,7 +100,7 @@ def damage(kind: str, last: Path):
         (last / ".metadata").write_bytes(pickle.dumps(Exploit()))
     elif kind == "metadata of other types":  # DCP's own classes, holding what they never hold
         with open(last / ".metadata", "rb") as f:
-            metadata = pickle.load(f)
+            metadata = _MetadataUnpickler(f).load()  # (DCP's classes only, as a resume reads it)
         metadata.storage_data = {k: 1 for k in metadata.storage_data}
         (last / ".metadata").write_bytes(pickle.dumps(metadata))
     elif kind == "metadata garbage":
