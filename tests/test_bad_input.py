@@ -60,17 +60,22 @@ def test_an_absurd_learning_rate_stops_the_run_with_exit_1_and_saves_nothing(cha
     assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob(".*.tmp"))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "random bytes"])
+@pytest.mark.parametrize("damage, reason", [("truncated", "it is truncated"), ("random bytes", ""),
+                                           ("a flipped bit", "its bytes are damaged (record archive/data/")])
 def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained_copy, tmp_path, char_data,
-                                                                         capsys, damage):
+                                                                         capsys, damage, reason):
     out = trained_copy
     last = out / "last.pt"
-    data = last.read_bytes()
-    last.write_bytes(data[: len(data) // 2] if damage == "truncated" else os.urandom(len(data)))
+    data = bytearray(last.read_bytes())
+    if damage == "a flipped bit":  # in the middle of a weight's bytes: torch.load itself reads it silently
+        weight = torch.load(last, weights_only=True)["model"]["transformer.wte.weight"].numpy().tobytes()
+        data[data.find(weight) + len(weight) // 2] ^= 1
+    last.write_bytes(data[: len(data) // 2] if damage == "truncated" else
+                     data if damage == "a flipped bit" else os.urandom(len(data)))
     result = train_here(char_data, out, max_iters=10, eval_interval=5, resume="auto")
     printed = capsys.readouterr()
     printed = printed.out + printed.err  # the warning goes to stderr
-    assert f"cannot read checkpoint {last}: {'it is truncated' if damage == 'truncated' else ''}" in printed
+    assert f"cannot read checkpoint {last}: {reason}" in printed
     assert "trying" in printed and "previous.pt" in printed
     assert "resuming from" in printed and "at step 5" in printed
     assert result["step"] == 10
