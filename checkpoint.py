@@ -133,7 +133,8 @@ def read(path: Path, tensors: bool = True):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=not tensors)
         reason = f"its bytes are damaged (record {damaged} fails its CRC-32 check)"
     except Exception as e:  # nothing in a bad file may end in a traceback
-        if isinstance(e, (EOFError, zipfile.BadZipFile)) or "zip archive" in str(e) or getattr(e, "errno", 0) == errno.EINVAL:
+        if isinstance(e, (EOFError, zipfile.BadZipFile)) or "zip archive" in str(e) or \
+                getattr(e, "errno", None) == errno.EINVAL:
             reason = "it is truncated or not a torch checkpoint at all"
         else:
             reason = load_failure(e)
@@ -295,7 +296,11 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
     def build(path):
         ckpt = read(path)
         try:
-            model = GPT(GPTConfig(**{**ckpt["model_args"], "dropout": 0.0}))
+            config = GPTConfig(**{**ckpt["model_args"], "dropout": 0.0})
+            held = sum(v.numel() for k, v in ckpt["model"].items() if k != "lm_head.weight")  # (wte's, tied)
+            if config.n_params != held:  # before building it: an edited shape could ask for terabytes
+                raise ValueError(f"its model_args describe {config.n_params:,} parameters, its weights hold {held:,}")
+            model = GPT(config)
             model.load_state_dict(ckpt["model"])
             return model, ckpt["step"], path
         except Exception as e:  # plain data, but not a checkpoint of this repo's GPT (nanoGPT's has no step)

@@ -55,6 +55,9 @@ def read_prompt(start: str) -> str:
             start = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise ConfigError(f"prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    elif any("\udc80" <= c <= "\udcff" for c in start):  # how Python keeps argv's bad bytes
+        raise ConfigError("--start is not UTF-8 text: set the terminal to UTF-8, or put the prompt in a "
+                          "UTF-8 file and give --start=FILE:path")
     if not start:
         raise ConfigError("the prompt is empty: give --start=TEXT or a non-empty FILE:path")
     return start

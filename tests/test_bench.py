@@ -113,7 +113,8 @@ def test_plot_runs_overlays_two_runs(tmp_path, char_data, script):
 
 def test_plot_runs_tells_same_named_folders_apart_and_skips_unreadable_lines(tmp_path, script):
     good = '{"step": 1, "loss": 3.0, "tokens_seen": 128}\n'
-    for exp, bad in (("exp1", '[1, 2]\n{"step": null, "loss": 1.0}\n{"step": 1e999}\n' + "[" * 100_000 + "\n"),
+    edited = '{"step": 3, "loss": "high", "tokens_seen": "many", "val_loss": [2.0]}\n'  # left out, not plotted
+    for exp, bad in (("exp1", edited + '[1, 2]\n{"step": null, "loss": 1.0}\n{"step": 1e999}\n' + "[" * 100_000 + "\n"),
                      ("exp2", '{"step": 2, "loss": 2.9, "tok')):
         (tmp_path / exp / "out").mkdir(parents=True)
         (tmp_path / exp / "out" / "metrics.jsonl").write_text(good + bad)

@@ -73,6 +73,7 @@ def write(path, data: bytes):
     ([lambda tmp: f"--start=FILE:{write(tmp / 'empty.txt', b'')}"], "the prompt is empty"),
     ([lambda tmp: f"--start=FILE:{write(tmp / 'latin1.txt', b'caf' + bytes([0xE9]))}"],
      "is not UTF-8 text"),
+    (["--start=caf\udce9"], "--start is not UTF-8 text"),  # b"caf\xe9" in argv, as Python decodes it
 ])
 def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, message):
     args = [a(tmp_path) if callable(a) else a for a in args]
@@ -94,6 +95,9 @@ def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, m
      "best.pt is not a GPT checkpoint of this repo (KeyError"),
     (lambda out: torch.save({k: v for k, v in torch.load(out / "last.pt", weights_only=True).items() if k != "step"}, out / "best.pt")
      or (out / "last.pt").unlink(), "best.pt is not a GPT checkpoint of this repo (KeyError: 'step')"),  # nanoGPT's
+    (lambda out: torch.save({**(c := torch.load(out / "last.pt", weights_only=True)),  # 12 TB, were it built
+                             "model_args": {**c["model_args"], "n_embd": 2**20}}, out / "best.pt")
+     or (out / "last.pt").unlink(), "best.pt is not a GPT checkpoint of this repo (ValueError: its model_args"),
 ])
 def test_a_broken_out_dir_is_a_clear_error(trained_copy, tmp_path, sample, damage, message):
     out = trained_copy
