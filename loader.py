@@ -179,7 +179,7 @@ def read_dataset(cfg: Config) -> dict:
             where = "" if len(shards) == 1 else " in its longest shard"
             raise ConfigError(f"block_size ({cfg.block_size}) is too long for the {split} split of "
                               f"{data_dir} ({longest:,} tokens{where}; it needs {needed:,}): "
-                              f"use a smaller --block_size or more data")
+                              f"use more data, or a model of a smaller block_size")
     return meta
 
 

@@ -6,9 +6,11 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -256,6 +258,15 @@ def test_eval_py_scores_a_checkpoint_with_its_dataset_loss(straight, bpe_data, s
     assert any(re.fullmatch(rf"{re.escape(str(bpe_data))} val loss \d+\.\d{{4}} over 8 windows of 16 tokens", line)
                for line in out)
     assert LINE.fullmatch(out[-1]) and out[-1].endswith("over 3 examples")
+
+
+def test_eval_py_says_a_val_split_is_too_short_for_the_model_without_train_py_flags(straight, bpe_data, small_file,
+                                                                                   tmp_path, capsys):
+    short = Path(shutil.copytree(bpe_data, tmp_path / "short"))
+    (short / "val.bin").write_bytes((short / "val.bin").read_bytes()[:2 * 10])  # 10 tokens; the model's block: 16
+    (short / "meta.json").write_text(json.dumps({**json.loads((short / "meta.json").read_text()), "val_tokens": 10}))
+    line = fails(["--out_dir", straight, "--hellaswag", small_file, "--data_dir", short], capsys)
+    assert line.endswith("(10 tokens; it needs 17): use more data, or a model of a smaller block_size"), line
 
 
 def test_a_character_level_model_is_refused(char_data, small_file, tmp_path, capsys):
