@@ -19,7 +19,7 @@ import torch
 import parallel
 from collectives import agree_or_raise, any_rank, broadcast_json, first_error, gather_rng_states
 from data.files import atomic_write_bytes, disk_full, fsync_dir, link_or_copy, tensor_bytes
-from errors import UnreadableCheckpoint, first_line
+from errors import UnreadableCheckpoint, first_line, load_failure
 
 
 TMP = ".last.dcp.tmp"  # a save in progress; remove_stale_temporaries deletes one a kill left
@@ -63,9 +63,7 @@ def _reason(e: BaseException, out_dir: Path = None, need: int = 0) -> str:
     failing rank's own exception."""
     failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, trace)}
     rank, exc = min(failures.items(), key=lambda item: item[0]) if failures else (None, (e, None))
-    text = (out_dir and disk_full(exc[0], out_dir, need)) or f"{type(exc[0]).__name__}: {first_line(exc[0])}"
-    if str(exc[0]).startswith("Weights only load failed"):  # not torch's advice to load it unsafely
-        text = "its data is damaged (weights_only=True reads nothing but plain tensors)"
+    text = (out_dir and disk_full(exc[0], out_dir, need)) or load_failure(exc[0])
     return text if rank is None else f"rank {rank}: {text}"
 
 

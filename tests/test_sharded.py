@@ -113,7 +113,8 @@ def damage(kind: str, last: Path):
     ("no metadata", ".metadata is missing; the save that wrote it did not finish"),
     ("a rank's part missing", "__0_0.distcp (one rank's part) is missing"),
     ("a part cut short", "__0_0.distcp is cut short"),
-    ("a part's data zeroed", "rank 0: its data is damaged (weights_only=True reads nothing but plain tensors)"),
+    ("a part's data zeroed", "rank 0: it is damaged, or holds objects that would run code when loaded, "
+                             "which weights_only=True refuses"),
     ("metadata that runs code", "it names pathlib.Path.touch"),
     ("metadata garbage", "its metadata is damaged"),
     ("metadata of other types", "its metadata is damaged (AttributeError: 'int' object has no attribute"),
