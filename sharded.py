@@ -115,16 +115,22 @@ def read(path: Path, tensors: bool) -> dict:
     state, metadata = parts(path)
     if not tensors:
         return {**state, "model": None, "optimizer": None, "rng": None, "sharded": True}
-    flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()}
-    load(path, flat)
-    model = {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
-    model["lm_head.weight"] = model["transformer.wte.weight"]  # tied: saved once
-    optim = {}
-    for key, value in flat.items():
-        if key.startswith("optimizer."):
-            name, stat = key.removeprefix("optimizer.").rsplit(".", 1)
-            optim.setdefault(name, {})[stat] = value
-    optimizer = parallel.by_position({"state": optim, "param_groups": json_groups(state.pop("param_groups"))})
+    try:  # (a resume checks run.json against the model first; here a hand edit may reach this far)
+        flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()}
+        load(path, flat)
+        model = {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
+        model["lm_head.weight"] = model["transformer.wte.weight"]  # tied: saved once
+        optim = {}
+        for key, value in flat.items():
+            if key.startswith("optimizer."):
+                name, stat = key.removeprefix("optimizer.").rsplit(".", 1)
+                optim.setdefault(name, {})[stat] = value
+        optimizer = parallel.by_position({"state": optim, "param_groups": json_groups(state.pop("param_groups"))})
+    except UnreadableCheckpoint:
+        raise
+    except Exception as e:  # e.g. param_groups that are not lists, a size no memory holds
+        raise UnreadableCheckpoint(f"cannot read checkpoint {path}: its run.json or .metadata is not a checkpoint "
+                                   f"of this repo's GPT ({type(e).__name__}: {first_line(e)})") from None
     state.pop("rng_shapes")
     return {**state, "model": model, "optimizer": optimizer,
             "rng": {k.removeprefix("rng."): v for k, v in flat.items() if k.startswith("rng.")}}

@@ -140,6 +140,7 @@ def test_a_bad_sharded_checkpoint_is_one_line_and_auto_falls_back_to_previous(
 
 @pytest.mark.parametrize("edit, message", [
     ({"param_groups": []}, "param_groups are not AdamW's two groups of this model's parameters"),
+    ({"param_groups": [5]}, "param_groups are not AdamW's two groups of this model's parameters"),
     ({"rng_shapes": {"cpu": "x"}}, "rng_shapes {'cpu': 'x'} are not an RNG state for each of world_size=1 ranks"),
 ])
 def test_a_hand_edited_run_json_is_one_line(char_data, sharded, tmp_path, script, edit, message):
@@ -148,6 +149,13 @@ def test_a_hand_edited_run_json_is_one_line(char_data, sharded, tmp_path, script
     run_json.write_text(json.dumps({**json.loads(run_json.read_text()), **edit}))
     ran = script("train.py", *tiny_args(char_data, out, resume=str(out / "last.dcp"), **SAME))
     assert ran.returncode == 2 and message in ran.stderr.splitlines()[-1] and "Traceback" not in ran.stderr, ran.stderr
+    if "param_groups" in edit:  # the tools read the tensors: one line too, and sample.py takes previous.dcp
+        ran = script("scripts/convert_checkpoint.py", out / "last.dcp", tmp_path / "x.pt")
+        assert ran.returncode == 2 and ran.stderr.startswith(f"error: cannot read checkpoint {out / 'last.dcp'}: "
+                                                             f"its run.json or .metadata is not"), ran.stderr
+        shutil.rmtree(out / "best.dcp", ignore_errors=True)
+        ran = script("sample.py", f"--out_dir={out}", "--num_samples=1", "--max_new_tokens=2")
+        assert ran.returncode == 0 and f"# {out / 'previous.dcp'} (step 8)" in ran.stderr, ran.stderr
 
 
 def test_the_converter_checks_a_folder_before_writing(sharded, tmp_path, script):
