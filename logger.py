@@ -34,22 +34,13 @@ class Logger:
     def __init__(self, cfg, resumed_step, enabled: bool, estimate_mfu=None):
         """`resumed_step`: the step a resumed run starts from (None for a fresh run).
         `estimate_mfu(steps, seconds)`: the model's MFU for that many optimizer steps, or None."""
-        self.enabled = enabled
+        self.enabled, self.max_iters = enabled, cfg.max_iters
         self.tokens_per_step, self.estimate_mfu = cfg.tokens_per_step, estimate_mfu
         self.bar = self.wandb = self.failure = None  # failure: why metrics.jsonl could not be written
         self.wandb_failure = None  # why wandb could not start: a config problem, agreed in start()
         self.restart_clock(resumed_step or 0)
         if not enabled:
             return
-        self.metrics = Path(cfg.out_dir) / "metrics.jsonl"
-        if self.metrics.exists():  # a fresh run starts a new log; a resumed one drops the
-            # steps after its checkpoint, which it is about to run again
-            rows = read_metrics(self.metrics, "dropped")
-            self._write(self.metrics, "".join(json.dumps(row) + "\n" for row in rows
-                                              if resumed_step is not None and row["step"] <= resumed_step))
-        if sys.stdout.isatty():
-            from tqdm import tqdm
-            self.bar = tqdm(total=cfg.max_iters, initial=resumed_step or 0, dynamic_ncols=True)
         if cfg.wandb_log:
             try:
                 import wandb
@@ -58,6 +49,29 @@ class Logger:
             except Exception as e:  # no API key, no network, not installed
                 self.wandb_failure = (f"wandb could not start ({type(e).__name__}: {first_line(e)}): run `wandb "
                                       f"login`, or set WANDB_MODE=offline, or use --wandb_log=false")
+                return  # a run refused leaves out_dir's log as it was
+        self.metrics = Path(cfg.out_dir) / "metrics.jsonl"
+        if self.metrics.exists() and not self.metrics.is_file():  # a folder; a FIFO would hang the read
+            self.failure = f"could not write {self.metrics} (it is not a file)"
+        elif self.metrics.exists():  # a fresh run starts a new log; a resumed one drops the
+            # steps after its checkpoint, which it is about to run again
+            rows = read_metrics(self.metrics, "dropped")
+            self._write(self.metrics, "".join(json.dumps(row) + "\n" for row in rows
+                                              if resumed_step is not None and row["step"] <= resumed_step))
+
+    def __enter__(self):
+        """The progress bar, on a terminal (on stdout, with the log lines: stderr keeps one error line)."""
+        if self.enabled and sys.stdout.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=self.max_iters, initial=self.clock_step, dynamic_ncols=True, file=sys.stdout)
+        return self
+
+    def __exit__(self, failed, *exc):
+        """Closed, failed or not: an error line then starts a line of its own."""
+        if self.bar:
+            self.bar.close()
+        if self.wandb:
+            self.wandb.finish(exit_code=1 if failed else 0)
 
     @classmethod
     def start(cls, run, meta: dict) -> "Logger":
@@ -157,9 +171,3 @@ class Logger:
     def advance(self, step: int):
         if self.bar:
             self.bar.update(step - self.bar.n)
-
-    def close(self):
-        if self.bar:
-            self.bar.close()
-        if self.wandb:
-            self.wandb.finish()

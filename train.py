@@ -266,11 +266,10 @@ def train(cfg: Config, world: World, dataset: Dataset) -> dict:
         sharded.check_shared(Path(cfg.out_dir), world, "to write sharded checkpoints")
     meta = dataset.ready(world)
     run = build_run(cfg, world, meta)
-    log = Logger.start(run, meta)
-    log.check(world, run.saved)
     start_step, stopped = run.step, 0  # stopped: the signal that stopped the run
-    with StopSignal() as stop, collective_failures_explained(world, cfg.dist_timeout, lambda: f"step {run.step}"), \
-            closing(run):
+    with Logger.start(run, meta) as log, StopSignal() as stop, \
+            collective_failures_explained(world, cfg.dist_timeout, lambda: f"step {run.step}"), closing(run):
+        log.check(world, run.saved)
         while True:
             lr = get_lr(run.step, cfg)
             for group in run.optimizer.param_groups:
@@ -317,8 +316,7 @@ def train(cfg: Config, world: World, dataset: Dataset) -> dict:
         if stopped:
             log.say(f"stopped by {signal.Signals(stopped).name} at step {run.step}; {cfg.out_dir}/"
                     f"{run.saved[0]} holds it: relaunch with resume=auto to continue")
-    log.check(world, run.saved)  # the last lines were written after the last log step's check
-    log.close()
+        log.check(world, run.saved)  # the last lines were written after the last log step's check
     return {"step": run.step, "val_loss": run.val_loss, "best_val_loss": run.best_val_loss, "stopped": stopped}
 
 

@@ -421,10 +421,22 @@ def test_wandb_that_cannot_start_is_one_line(char_data, tmp_path, script, monkey
     def no_key(**kwargs):
         raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log to W&B.")
     monkeypatch.setattr(wandb, "init", no_key)
+    old_log = tmp_path / "out" / "metrics.jsonl"  # an earlier run's: a refused run changes nothing
+    old_log.parent.mkdir()
+    old_log.write_text('{"step": 1, "loss": 3.0}\n')
     proc = script("train.py", *tiny_args(char_data, tmp_path / "out", wandb_log=True, max_iters=2))
     assert proc.returncode == 2 and proc.stderr == (
         "error: wandb could not start (UsageError: No API key configured. Use `wandb login` to log to W&B.): "
         "run `wandb login`, or set WANDB_MODE=offline, or use --wandb_log=false\n"), proc.stderr
+    assert old_log.read_text() == '{"step": 1, "loss": 3.0}\n'
+
+
+def test_a_metrics_jsonl_that_is_not_a_file_is_one_line(char_data, tmp_path, script):
+    (tmp_path / "out" / "metrics.jsonl").mkdir(parents=True)  # (a FIFO there hung the start)
+    proc = script("train.py", *tiny_args(char_data, tmp_path / "out", max_iters=2))
+    assert proc.returncode == 1 and proc.stderr.startswith(f"error: rank 0 could not write {tmp_path}/out/metrics"
+                                                           f".jsonl (it is not a file)"), proc.stderr
+    assert proc.stderr.count("\n") == 1
 
 
 def test_help_lists_every_config_name_with_its_default(capsys):

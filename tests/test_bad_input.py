@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -49,11 +50,15 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoin
     assert not list(tmp_path.glob(".*.tmp"))
 
 
-def test_an_absurd_learning_rate_stops_the_run_with_exit_1_and_saves_nothing(char_data, tmp_path, capsys):
+@pytest.mark.parametrize("terminal", [False, True])
+def test_an_absurd_learning_rate_stops_the_run_with_exit_1_and_saves_nothing(char_data, tmp_path, capsys,
+                                                                             monkeypatch, terminal):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal)  # a terminal: tqdm's bar, closed before the error
     with pytest.raises(SystemExit) as exit_info:
         train.cli(tiny_args(char_data, tmp_path, learning_rate=1e30, warmup_iters=0, eval_interval=5))
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert exit_info.value.code == 1 and err.count("\n") == 1
+    assert ("it/s]\n" in out and out.endswith("\n")) == terminal, out
     assert re.fullmatch(r"error: the training loss is nan at step \d\. Likely causes: a learning rate "
                         r"too high \(learning_rate=1e\+30.*no checkpoint of this run was written yet\.\n",
                         err), err
