@@ -191,7 +191,8 @@ def _join(world, dist_timeout: float):
     finally:
         watchdog.cancel()
     # Small CPU messages (stop flags, RNG states, checkpoint bytes) go through gloo, also under NCCL.
-    world.group = dist.new_group(backend="gloo") if world.backend != "gloo" else None
+    world.timeout = timeout  # (new_group's own default is 30 minutes, whatever dist_timeout says)
+    world.group = dist.new_group(backend="gloo", timeout=timeout) if world.backend != "gloo" else None
 
 
 def _check_group(world):

@@ -113,8 +113,8 @@ class CollectiveFailed(RunError):
         super().__init__(
             f"rank {rank} on {socket.gethostname()}, {where}: a collective timed out or failed "
             f"({first_line(e, 300)}). A peer process died or the network between hosts is down "
-            f"(dist_timeout={dist_timeout:g}s). The last checkpoint is last.pt in rank 0's out_dir, "
-            f"on rank 0's host: relaunch with resume=auto to continue.")
+            f"(dist_timeout={dist_timeout:g}s): relaunch every rank (training with resume=auto continues "
+            f"from the newest checkpoint written, last.pt on rank 0's host or the shared last.dcp).")
 
 
 def _kept(saved) -> str:

@@ -213,7 +213,7 @@ def save(tensors: dict, run_state: dict, out_dir: Path, best: bool, world, backg
     alone, writer = world.size == 1, dcp.FileSystemWriter(tmp)
     if background:
         if not alone and world.save_group is None:
-            world.save_group = torch.distributed.new_group(backend="gloo")
+            world.save_group = torch.distributed.new_group(backend="gloo", timeout=world.timeout)
         future = dcp.async_save(tensors, storage_writer=writer, no_dist=alone,
                                 process_group=None if alone else world.save_group)
         return Background(future, out_dir, world.is_master and (lambda: _commit(out_dir, best, rotate)),

@@ -43,6 +43,7 @@ class World:
     shard_size: int = 1   # FSDP shards over groups of this many ranks (HSDP when < size)
     strategy: str = "ddp" # cfg.strategy; ddp on one process, where there is nothing to shard
     save_group: object = None  # async_checkpoint: a gloo group of its own for background writes
+    timeout: object = None     # dist_timeout (a timedelta) for every group made after the first
 
     @property
     def is_master(self) -> bool:

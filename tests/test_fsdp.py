@@ -45,6 +45,18 @@ def record_where_the_model_is_built(rank):
     model.GPT.__init__ = init
 
 
+def record_new_group_timeouts(rank):
+    """A run_world patch: each group made after the default one prints the timeout it was given
+    (torch's default for them is 30 minutes, not dist_timeout)."""
+    import torch.distributed as dist
+    original = dist.new_group
+
+    def new_group(*args, **kwargs):
+        print(f"new_group timeout {kwargs.get('timeout')}", flush=True)
+        return original(*args, **kwargs)
+    dist.new_group = new_group
+
+
 @pytest.fixture(scope="module")
 def fsdp_whole(char_data, tmp_path_factory):
     """An uninterrupted fsdp run on 2 processes: its out_dir (and built.RANK: where each rank's
@@ -101,8 +113,11 @@ def test_fsdp_resume_is_exact_and_crosses_strategies_world_sizes_and_formats(cha
     # fsdp W=4 (sharded, async) -> fsdp W=2 (sharded) -> ddp on one process (file)
     chain = tmp_path / "chain"
     train.main(resolve(args_for(char_data, chain, max_iters=2)))
-    run_world(4, args_for(char_data, chain, **sharded, async_checkpoint=True, batch_size=2, max_iters=3), logs)
+    run_world(4, args_for(char_data, chain, **sharded, async_checkpoint=True, batch_size=2, max_iters=3,
+                          dist_timeout=77), logs, patch=record_new_group_timeouts)
     assert f"resuming from {chain / 'last.pt'} at step 2" in (logs / "rank0.log").read_text()
+    made = [line for line in (logs / "rank0.log").read_text().splitlines() if line.startswith("new_group")]
+    assert made and set(made) == {"new_group timeout 0:01:17"}, made  # the background save's group
     run_world(2, args_for(char_data, chain, **sharded, max_iters=4), logs)
     capsys.readouterr()
     train.main(resolve(args_for(char_data, chain, resume="auto")))

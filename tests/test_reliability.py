@@ -186,6 +186,17 @@ def test_a_non_finite_number_is_named_as_such():
             resolve([f"--learning_rate={text}"])
 
 
+def test_a_failed_collective_says_what_to_relaunch_without_naming_a_file_that_may_not_exist():
+    from collectives import collective_failures_explained
+    from errors import CollectiveFailed
+    from world import World
+    with pytest.raises(CollectiveFailed) as failed, collective_failures_explained(World(size=2), 10, lambda: "step 7"):
+        raise RuntimeError("Connection closed by peer")
+    assert str(failed.value).endswith("(dist_timeout=10s): relaunch every rank (training with resume=auto "
+                                      "continues from the newest checkpoint written, last.pt on rank 0's host "
+                                      "or the shared last.dcp).")
+
+
 def test_the_prepare_hint_names_the_real_script(tmp_path):
     from data.dataset import load_meta
     for name, hint in (("shakespeare_char", "python data/shakespeare_char/prepare.py --out_dir"),
