@@ -101,7 +101,7 @@ def state_bytes(run) -> dict:
     return {"parameters": params, "gradients": params, "optimizer": optimizer}
 
 
-def profile_steps(run, device, out: Path, write: bool, steps: int = 3):
+def profile_steps(run, device, out: Path, name: str, write: bool, steps: int = 3):
     """A table of the ops and kernels of a few steps, by device time, and totals by kind. Every
     rank runs the steps (they communicate); the one that writes is rank 0."""
     from torch.autograd import DeviceType
@@ -123,8 +123,9 @@ def profile_steps(run, device, out: Path, write: bool, steps: int = 3):
     total = sum(kinds.values()) or 1
     summary = "\n".join(f"{k:>14}: {v / 1e3 / steps:9.2f} ms/step  {v / total:6.1%}"
                         for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
-    (out / "profile.txt").write_text(f"{table}\n\ndevice time by kind, per optimizer step:\n{summary}\n")
-    print(table, f"\ndevice time by kind, per optimizer step:\n{summary}", flush=True)
+    text = f"{table}\n\ndevice time by kind, per optimizer step:\n{summary}\n"
+    (out / f"profile-{name}.txt").write_text(text)
+    print(text, end="", flush=True)
 
 
 # Kernel and op names by kind, for the profile summary (the first match wins).
@@ -145,7 +146,8 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
     device, accum = world.device, world.accum
     with process_group(world, cfg.dist_timeout):
         if synthetic_dir:
-            n_train = (warmup + 2 * steps + 2) * cfg.global_batch_size * cfg.block_size + cfg.block_size
+            steps_of_data = min(warmup + 2 * steps + 2, 2**27 // cfg.tokens_per_step + 2)  # then epochs roll over
+            n_train = steps_of_data * cfg.tokens_per_step + cfg.block_size
             cfg.data_dir = str(synthetic_data(cfg, world, Path(synthetic_dir), n_train))
         meta = Dataset(cfg).ready(world)
         run = build_run(cfg, world, meta)
@@ -161,7 +163,7 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
             timed_steps(run, 1, device, sync=False)
             nosync = slowest_rank(timed_steps(run, steps, device, sync=False), world)
         if profile_dir:
-            profile_steps(run, device, Path(profile_dir), write=world.is_master)
+            profile_steps(run, device, Path(profile_dir), f"{world.strategy}-{world.size}", world.is_master)
         figures = dict(
             world_size=world.size, accumulation_steps=accum, tokens_per_step=cfg.tokens_per_step,
             step_times=times, step_times_nosync=nosync, peak_memory=[row[0] for row in by_rank([peak], world)],
@@ -243,11 +245,11 @@ def plot(rows: list, path: Path, title: str):
     plt.close(fig)
 
 
-def parse_list(name: str, text: str, parse, allowed=None, minimum: int = 1) -> list:
+def parse_list(name: str, text: str, parse, allowed=None, minimum: int = 1, one: bool = False) -> list:
     try:
-        values = [parse(v) for v in text.split(",")]
+        values = [parse(v) for v in ([text] if one else text.split(","))]
     except ValueError:
-        raise ConfigError(f"--{name}={text}: give a number, or a comma-separated list") from None
+        raise ConfigError(f"--{name}={text}: give a number" + ("" if one else ", or a comma-separated list")) from None
     bad = [v for v in values if (allowed is not None and v not in allowed) or (parse is int and v < minimum)]
     if bad:
         raise ConfigError(f"--{name}={text}: {bad} not allowed" +
@@ -271,7 +273,7 @@ def main(argv=None):
             opts[name] = value
         else:
             cfg_args.append(arg)
-    steps, warmup = parse_list("steps", opts["steps"], int)[0], parse_list("warmup", opts["warmup"], int, minimum=0)[0]
+    (steps,), (warmup,) = (parse_list(k, opts[k], int, minimum=m, one=True) for k, m in (("steps", 1), ("warmup", 0)))
     if flags["--worker"]:
         synthetic_dir = opts["synthetic_dir"] or (tempfile.gettempdir() if synthetic(cfg_args) else None)
         return worker(cfg_args, steps, warmup, Path(opts["result"] or "bench-result.json"), synthetic_dir,

@@ -25,7 +25,7 @@ timed() {  # name, seconds, command...: its log in $REPORTS/name.log, its wall t
 ours() {  # name, seconds, bench.py arguments...: one GPT-2 124M run of bench.py on one process
   local name=$1 limit=$2; shift 2
   timed "$name" "$limit" python3 bench.py configs/gpt_small.py --nproc=1 --report="$REPORTS/$name" "$@"
-  [ -f "$REPORTS/$name/profile.txt" ] && sed -n '/device time by kind/,$p' "$REPORTS/$name/profile.txt"
+  [ -f "$REPORTS/$name/profile-ddp-1.txt" ] && sed -n '/device time by kind/,$p' "$REPORTS/$name/profile-ddp-1.txt"
 }
 
 case $PHASE in

@@ -27,7 +27,7 @@ def report(tmp_path_factory):
     (here / "tiny.py").write_text('n_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\nbatch_size = 4\n'
                                   'global_batch_size = 8\ndtype = "float32"\ndevice = "cpu"\n')
     proc = run([sys.executable, str(REPO / "bench.py"), "tiny.py", "--nproc=1,2", "--strategies=ddp,fsdp",
-                "--steps=2", "--warmup=1", "--report=report"], timeout=600, cwd=here)
+                "--steps=2", "--warmup=1", "--report=report", "--profile"], timeout=600, cwd=here)
     return here / "report", proc.stdout
 
 
@@ -42,6 +42,9 @@ def test_bench_writes_json_markdown_and_png(report):
     assert "python bench.py" in table and table.count("\n| ddp |") == 2 and table.count("\n| fsdp |") == 2
     assert_png(folder / "bench.png")
     assert "report:" in stdout
+    # a profile of each run launched (one process of fsdp is measured as ddp), not only of the last
+    assert sorted(p.name for p in folder.glob("profile*")) == ["profile-ddp-1.txt", "profile-ddp-2.txt",
+                                                               "profile-fsdp-2.txt"]
 
 
 @pytest.mark.slow
@@ -87,7 +90,8 @@ def test_measured_state_bytes_confirm_the_memory_formula(report):
 def test_bench_bad_arguments_are_one_line(script):
     for args, needle in ((["--nproc=0"], "at least 1"), (["--strategies=zero3"], "choose from ddp, fsdp"),
                          (["--nproc=3"], "x world size (3) = 48: try --global_batch_size=48"),
-                         (["--nproc=1,1"], "--nproc=1,1 repeats a value")):
+                         (["--nproc=1,1"], "--nproc=1,1 repeats a value"),
+                         (["--steps=5,10"], "--steps=5,10: give a number"), (["--warmup=1,2"], "--warmup=1,2: give")):
         proc = script("bench.py", *args)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
@@ -138,3 +142,22 @@ def test_plot_runs_bad_input_is_one_line(tmp_path, script):
                          ([str(tmp_path / "empty"), str(tmp_path / "nolosses"), "--labels=a,a"], "repeats a name")):
         proc = script("scripts/plot_runs.py", *args)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+def test_synthetic_data_stays_bounded_however_many_steps_are_asked_for(monkeypatch, tmp_path):
+    """--steps=10**12 once made a worker allocate 233 TiB of token ids: past 2**27 tokens the
+    loader's epochs roll over instead."""
+    import bench
+
+    class Made(Exception):
+        pass
+
+    def made(cfg, world, folder, n_train):
+        raise Made(n_train)
+    monkeypatch.setattr(bench, "synthetic_data", made)
+    tiny = ["--n_layer=1", "--n_head=1", "--n_embd=16", "--block_size=8", "--batch_size=2", "--global_batch_size=2",
+            "--device=cpu", "--dtype=float32"]
+    for steps, tokens in ((3, (1 + 2 * 3 + 2) * 16 + 8), (10**12, (2**27 // 16 + 2) * 16 + 8)):
+        with pytest.raises(Made) as n_train:
+            bench.worker(tiny, steps, 1, tmp_path / "result.json", tmp_path, None)
+        assert n_train.value.args[0] == tokens
