@@ -41,7 +41,7 @@ import torch.distributed as dist
 from collectives import any_rank, process_group
 from config import CHOICES, resolve
 from data.dataset import GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
-from errors import ConfigError, reported
+from errors import ConfigError, RunError, reported
 from loader import Dataset
 from model import GPTConfig
 from parallel import memory_problem
@@ -322,8 +322,8 @@ def measure(strategies: list, nprocs: list, cfg_args: list, steps: int, warmup: 
                 print(f"--- {strategy}, {n} process{'es' if n > 1 else ''}", flush=True)
                 proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # here: relative paths as given
                 if proc.returncode:
-                    raise ConfigError(f"the {strategy} run on {n} processes failed (exit {proc.returncode}): "
-                                      f"see its output above")
+                    raise RunError(f"the {strategy} run on {n} process{'es' * (n > 1)} failed "
+                                   f"(exit {proc.returncode}): see its output above")
                 rows.append(summarise(strategy, n, json.loads(result.read_text())))
     add_scaling(rows)
     return rows

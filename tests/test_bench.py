@@ -161,3 +161,14 @@ def test_synthetic_data_stays_bounded_however_many_steps_are_asked_for(monkeypat
         with pytest.raises(Made) as n_train:
             bench.worker(tiny, steps, 1, tmp_path / "result.json", tmp_path, None)
         assert n_train.value.args[0] == tokens
+
+
+def test_a_worker_that_fails_while_running_is_a_failed_run(monkeypatch, tmp_path):
+    """The checks passed in the parent, then a torchrun failed: exit 1 (a run failed), not 2 (bad input)."""
+    import subprocess
+
+    import bench
+    from errors import RunError
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, env: subprocess.CompletedProcess(cmd, 1))
+    with pytest.raises(RunError, match="the ddp run on 1 process failed \\(exit 1\\)"):
+        bench.measure(["ddp"], [1], ["--device=cpu"], 1, 0, tmp_path, False)
