@@ -45,16 +45,19 @@ def record_where_the_model_is_built(rank):
     model.GPT.__init__ = init
 
 
-def record_new_group_timeouts(rank):
-    """A run_world patch: each group made after the default one prints the timeout it was given
-    (torch's default for them is 30 minutes, not dist_timeout)."""
-    import torch.distributed as dist
-    original = dist.new_group
+def record_group_timeouts(rank):
+    """A run_world patch: each process group made prints the timeout it was given (torch's default
+    for the groups made after the first is 30 minutes, not dist_timeout)."""
+    import inspect
 
-    def new_group(*args, **kwargs):
-        print(f"new_group timeout {kwargs.get('timeout')}", flush=True)
+    import torch.distributed.distributed_c10d as c10d
+    original = c10d._new_process_group_helper
+
+    def helper(*args, **kwargs):
+        given = inspect.signature(original).bind(*args, **kwargs).arguments
+        print(f"group {given['group_desc']} timeout {given['timeout']}", flush=True)
         return original(*args, **kwargs)
-    dist.new_group = new_group
+    c10d._new_process_group_helper = helper
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +117,13 @@ def test_fsdp_resume_is_exact_and_crosses_strategies_world_sizes_and_formats(cha
     chain = tmp_path / "chain"
     train.main(resolve(args_for(char_data, chain, max_iters=2)))
     run_world(4, args_for(char_data, chain, **sharded, async_checkpoint=True, batch_size=2, max_iters=3,
-                          dist_timeout=77), logs, patch=record_new_group_timeouts)
+                          dist_timeout=77, fsdp_shard_size=2), logs, patch=record_group_timeouts)
     assert f"resuming from {chain / 'last.pt'} at step 2" in (logs / "rank0.log").read_text()
-    made = [line for line in (logs / "rank0.log").read_text().splitlines() if line.startswith("new_group")]
-    assert made and set(made) == {"new_group timeout 0:01:17"}, made  # the background save's group
+    # the default group, HSDP's mesh (2 x 2: each rank's shard and replicate groups) and the background
+    # save's group all time out after dist_timeout
+    made = [line for line in (logs / "rank0.log").read_text().splitlines() if line.startswith("group ")]
+    assert {"default_pg", "mesh_replicate", "mesh_shard", "None"} == {line.split()[1] for line in made}, made
+    assert all(line.endswith(" timeout 0:01:17") for line in made), made
     run_world(2, args_for(char_data, chain, **sharded, max_iters=4), logs)
     capsys.readouterr()
     train.main(resolve(args_for(char_data, chain, resume="auto")))
