@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -91,25 +92,37 @@ def on_rank0(read, world, rank0_only: tuple = ()):
     return result if world.is_master else shared
 
 
-AGREE_EVERY = 10  # steps between train.py's agreements on rare events, when log_interval is longer
+class Agreement:
+    """train.py's agreement on rare events, piggy-backed on the log step's loss all-reduce: at each
+    log step, and in between every EVERY steps, or sooner when steps are slow, so a stop signal
+    waits about SECONDS at most (torchrun kills its workers 30 s after passing SIGTERM on). The
+    cadence comes out of the all-reduce itself, so every rank agrees at the same steps."""
+    EVERY, SECONDS = 10, 2.0
 
+    def __init__(self, world, step: int):
+        self.world, self.next, self.since = world, step + 1, (step, time.perf_counter())
 
-def log_step(loss: torch.Tensor, signum: int, problems: list, world) -> tuple:
-    """At a log step (or an agreement step, AGREE_EVERY apart), in one all-reduce: the loss averaged
-    over ranks, whether any rank was sent SIGTERM or SIGINT, and for each of `problems` (this rank's
-    message or None) the lowest failing rank's message or None. Piggy-backing these rare events on
-    the loss costs no extra host sync per step; every rank gets the same answer at the same step, so
-    all stop together.
-    Returns (mean loss, the signal's number or 0, [message or None per problem])."""
-    signals = (signal.SIGTERM, signal.SIGINT)  # SIGTERM first when both came
-    flags = [float(signum == s) for s in signals] + [float(p is not None) for p in problems]
-    votes = torch.cat([loss.detach().float().reshape(1), torch.tensor(flags, device=loss.device)])
-    if world.size > 1:
-        dist.all_reduce(votes, op=dist.ReduceOp.SUM)
-    votes = votes.tolist()
-    stop = next((int(s) for s, v in zip(signals, votes[1:3]) if v > 0), 0)
-    return votes[0] / world.size, stop, [first_error(p, world) if v > 0 else None
-                                         for p, v in zip(problems, votes[3:])]
+    def due(self, step: int) -> bool:
+        return step >= self.next
+
+    def __call__(self, loss: torch.Tensor, signum: int, problems: list, step: int) -> tuple:
+        """In one all-reduce: the loss averaged over ranks, whether any rank was sent SIGTERM or
+        SIGINT, and for each of `problems` (this rank's message or None) the lowest failing rank's
+        message or None. Every rank gets the same answer at the same step, so all stop together.
+        Returns (mean loss, the signal's number or 0, [message or None per problem])."""
+        signals = (signal.SIGTERM, signal.SIGINT)  # SIGTERM first when both came
+        seconds_per_step = (time.perf_counter() - self.since[1]) / max(1, step - self.since[0])
+        flags = [seconds_per_step] + [float(signum == s) for s in signals] + [float(p is not None) for p in problems]
+        votes = torch.cat([loss.detach().float().reshape(1), torch.tensor(flags, device=loss.device)])
+        if self.world.size > 1:
+            dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+        votes = votes.tolist()
+        seconds_per_step = votes[1] / self.world.size
+        self.next = step + max(1, min(self.EVERY, int(self.SECONDS / max(seconds_per_step, 1e-6))))
+        self.since = (step, time.perf_counter())
+        stop = next((int(s) for s, v in zip(signals, votes[2:4]) if v > 0), 0)
+        return votes[0] / self.world.size, stop, [first_error(p, self.world) if v > 0 else None
+                                                  for p, v in zip(problems, votes[4:])]
 
 
 def gather_rng_states(world) -> dict:

@@ -29,8 +29,8 @@ import checkpoint
 import parallel
 import pretrained
 import sharded
-from collectives import (AGREE_EVERY, agree_or_raise, any_rank, collective_failures_explained, differs_from_rank0,
-                         first_error, gather_rng_states, log_step, on_rank0, process_group, restore_rng_states)
+from collectives import (Agreement, agree_or_raise, any_rank, collective_failures_explained, differs_from_rank0,
+                         first_error, gather_rng_states, on_rank0, process_group, restore_rng_states)
 from config import PER_HOST, Config, resolve
 from errors import CheckpointNotWritten, ConfigError, Diverged, LogNotWritten, first_line, reported
 from evals import hellaswag
@@ -266,7 +266,7 @@ def train(cfg: Config, world: World, dataset: Dataset) -> dict:
         sharded.check_shared(Path(cfg.out_dir), world, "to write sharded checkpoints")
     meta = dataset.ready(world)
     run = build_run(cfg, world, meta)
-    start_step, stopped = run.step, 0  # stopped: the signal that stopped the run
+    start_step, stopped, agree = run.step, 0, Agreement(world, run.step)  # stopped: the signal that stopped the run
     with Logger.start(run, meta) as log, StopSignal() as stop, \
             collective_failures_explained(world, cfg.dist_timeout, lambda: f"step {run.step}"), closing(run):
         log.check(world, run.saved)
@@ -290,12 +290,12 @@ def train(cfg: Config, world: World, dataset: Dataset) -> dict:
             run.step += 1
 
             at_log = run.step % cfg.log_interval == 0 or run.step == cfg.max_iters
-            if at_log or run.step % AGREE_EVERY == 0:  # a stop signal waits at most AGREE_EVERY steps
+            if at_log or agree.due(run.step):  # a stop signal waits about 2 s, or 10 quick steps
                 # one all-reduce: the loss over ranks, any rank's stop signal, bad token id, log
                 # failure or failed background save
-                loss, signum, (bad_tokens, log_failure, save_failure) = log_step(
+                loss, signum, (bad_tokens, log_failure, save_failure) = agree(
                     step_loss, stop.received, [run.loader.tokens.bad, log.failure,
-                                               run.pending and run.pending.failure(wait=False)], world)
+                                               run.pending and run.pending.failure(wait=False)], run.step)
                 if bad_tokens:
                     raise ConfigError(bad_tokens)
                 if log_failure:

@@ -274,9 +274,8 @@ def autocast(world: World):
 
 class StopSignal:
     """SIGTERM (a scheduler's preemption, torchrun passing it on) or SIGINT (Ctrl-C) asks the run
-    to stop with a checkpoint at the next agreement (each log step, and at most AGREE_EVERY steps
-    apart: all ranks agree on it, so they stop together). Another Ctrl-C changes nothing: to end
-    at once, kill -9."""
+    to stop with a checkpoint at the next agreement (collectives.Agreement: all ranks agree on it,
+    so they stop together). Another Ctrl-C changes nothing: to end at once, kill -9."""
 
     def __init__(self):
         self.received = 0  # the signal's number
