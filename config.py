@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import difflib
 import math
+import os
 import traceback
 import types
 import typing
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from errors import ConfigError
+from errors import ConfigError, first_line
 
 
 @dataclass
@@ -183,7 +184,7 @@ def load_file(path: str) -> dict:
     except (Exception, SystemExit) as e:  # a config file may not end the program
         lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
         where = f"{path}, line {lines[-1]}" if lines else path
-        raise ConfigError(f"{where}: {type(e).__name__}: {e}") from None
+        raise ConfigError(f"{where}: {type(e).__name__}: {first_line(e)}") from None
     skip = (types.ModuleType, types.FunctionType, type)
     return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, skip)}
 
@@ -239,6 +240,11 @@ def validate(cfg: Config) -> Config:
          "init_from='resume' needs a checkpoint but resume='never' forbids one: use --resume=auto "
          "(out_dir/last.pt) or --resume=PATH.pt, or --init_from=scratch")
     need(bool(cfg.out_dir), "out_dir must not be empty")
+    for name in ("out_dir", "dataset", "data_dir", "prepare_input", "init_from", "resume", "hellaswag_path"):
+        path = os.fsencode(getattr(cfg, name))  # (the bytes the file system is given)
+        need(b"\0" not in path and len(path) < 4096 and all(len(part) <= 255 for part in path.split(b"/")),
+             f"{name} is not a path a file system takes (a NUL byte, a name over 255 bytes or a path over 4096): "
+             f"{_show(getattr(cfg, name))}")
     return cfg
 
 

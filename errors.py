@@ -58,9 +58,24 @@ def reported(debug: bool = False, also: tuple = ()):
     except (ConfigError, RunError, KeyboardInterrupt, *also) as e:
         if debug:
             traceback.print_exc()
-        print(f"error: {'interrupted (Ctrl-C)' if isinstance(e, KeyboardInterrupt) else e}", file=sys.stderr,
-              flush=True)
+        say(f"error: {'interrupted (Ctrl-C)' if isinstance(e, KeyboardInterrupt) else e}")
         sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1 if isinstance(e, RunError) else 2)
+    except Exception as e:  # torch.compile's failures (no C++ compiler, an op it cannot lower): a failed run
+        if debug or not any(c.__name__ == "TorchDynamoException" for c in type(e).__mro__):
+            raise
+        inner = getattr(e, "inner_exception", None) or e  # what the compiler itself raised
+        say(f"error: torch.compile failed ({type(inner).__name__}: {first_line(inner)}): run with --compile=False")
+        sys.exit(1)
+
+
+def say(line: str):
+    """An error line on stderr; in train_spawn.py's ranks, into its ERRORS_TO folder instead, from
+    which it prints each distinct line once (every rank raises the same agreed message)."""
+    if os.environ.get("ERRORS_TO"):
+        with open(os.path.join(os.environ["ERRORS_TO"], os.environ.get("RANK", "0")), "w") as f:
+            f.write(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 class GlobalBatchIndivisible(ConfigError):

@@ -176,7 +176,8 @@ def load_sharded_state(raw_model, optimizer, tensors: dict, param_groups: list):
 def memory_problem(model_cfg, cfg, world: World):
     """A message when training this model clearly cannot fit this process's memory, else None.
     A lower bound, so only the impossible is refused: weights, gradients and AdamW moments
-    (16 bytes a parameter, sharded under FSDP) plus the float32 logits of one micro-batch."""
+    (16 bytes a parameter, sharded under FSDP) plus the float32 logits of one micro-batch; and the
+    loader's order of windows in host memory (at least a global batch of them)."""
     n = model_cfg.n_params
     state = 16 * n // (world.shard_size if world.strategy == "fsdp" else 1)
     logits = 4 * cfg.batch_size * cfg.block_size * model_cfg.padded_vocab_size
@@ -187,6 +188,11 @@ def memory_problem(model_cfg, cfg, world: World):
                 f"{logits / 1e9:,.1f} GB of logits for batch_size={cfg.batch_size}), but {world.device} has "
                 f"{available / 1e9:,.1f} GB available: choose a smaller model or batch_size, or more processes "
                 f"with --strategy=fsdp")
+    table, host = 16 * cfg.global_batch_size, available_memory(torch.device("cpu"), world.local_size)
+    if table > host:  # the loader's epoch holds every window's start (int64), twice while it is made
+        return (f"global_batch_size={cfg.global_batch_size:,} needs at least {table / 1e9:,.1f} GB per process for the "
+                f"loader's window order, but this host has {host / 1e9:,.1f} GB available: a global batch of "
+                f"{host // 16:,} sequences at most")
     return None
 
 

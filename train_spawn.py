@@ -7,10 +7,13 @@ gets RANK / LOCAL_RANK / WORLD_SIZE like torchrun would set them and runs
 train.py's own entry point, so there is no second copy of the training code.
 """
 
+import logging
 import os
 import signal
 import socket
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -28,9 +31,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rank: int, nproc: int, args: list[str]):
+def worker(rank: int, nproc: int, args: list[str], errors: str):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                      LOCAL_WORLD_SIZE=str(nproc))
+                      LOCAL_WORLD_SIZE=str(nproc), ERRORS_TO=errors)  # errors.say writes its line there
     train.cli(args)
 
 
@@ -53,7 +56,13 @@ def main(argv=None):
         setup(cfg, claim=False, world=World(size=nproc, local_size=nproc))  # as its rank 0 will see it
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    context = mp.spawn(worker, args=(nproc, args), nprocs=nproc, join=False)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" lines
+    with tempfile.TemporaryDirectory() as errors:  # each rank's error line, printed here once
+        run(nproc, args, Path(errors))
+
+
+def run(nproc: int, args: list, errors: Path):
+    context = mp.spawn(worker, args=(nproc, args, str(errors)), nprocs=nproc, join=False)
     # Pass SIGTERM (a scheduler) and SIGINT (kill -INT) on, as torchrun does: each rank stops at a
     # step boundary and saves. (Ctrl-C in a terminal reaches the ranks themselves too.)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -62,6 +71,9 @@ def main(argv=None):
         while not context.join():
             pass
     except mp.ProcessExitedException as e:
+        said = [f.read_text() for f in sorted(errors.iterdir(), key=lambda f: int(f.name))]
+        for line in dict.fromkeys(said):  # each distinct line once, in rank order
+            print(line, file=sys.stderr, flush=True)
         # 1 and 2: the rank said why; 128 + SIGTERM/SIGINT: it stopped with a checkpoint
         if e.exit_code < 0:  # killed by a signal (SIGKILL: the out-of-memory killer, say): a failed run
             print(f"error: rank {e.error_index} was killed by {e.signal_name}: relaunch with resume=auto to "

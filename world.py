@@ -103,6 +103,10 @@ def find_world() -> World:
     if not (world.rank < world.size and world.local_rank < world.local_size):  # else peers never come
         raise ConfigError(f"rank {world.rank} (local rank {world.local_rank}) cannot be in a world of {world.size} "
                           f"processes ({world.local_size} on this host): check the launch command")
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
+    if world.size > 1 and not (addr and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"{world.size} processes need MASTER_ADDR (rank 0's host) and MASTER_PORT (a port, 1-65535), "
+                          f"got {addr!r} and {env.get('MASTER_PORT')!r}: check the launch command")
     return world
 
 

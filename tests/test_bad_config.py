@@ -142,6 +142,12 @@ CASES = [
     ("config file syntax error", config_file_with_a_syntax_error, None, r"syntax\.py, line 1: syntax error"),
     ("config file with a NUL byte", config_file_with_a_nul_byte, None,
      r"nul\.py: syntax error: source code string cannot contain null bytes"),  # no "line None"
+    ("config file raising a message of two lines", lambda d: [str(write_bytes(d.parent / "two.py",
+                                                                            b'raise ValueError("one\\ntwo")'))],
+     None, r"two\.py, line 1: ValueError: one\n"),
+    ("a name too long for a file system", ["--out_dir=" + "x" * 256], None,
+     r"out_dir is not a path a file system takes \(a NUL byte, a name over 255 bytes or a path over 4096\)"),
+    ("a NUL byte in a path", ['--resume="last\\x00.pt"'], None, r"resume is not a path a file system takes"),
     ("n_embd and n_head", ["--n_embd=33"], None, r"n_embd \(33\) must be divisible by n_head \(2\)"),
     ("zero layers", ["--n_layer=0"], None, r"n_layer must be positive, got 0"),
     ("negative batch", ["--batch_size=-4"], None, r"batch_size must be positive, got -4"),
@@ -290,8 +296,9 @@ def test_two_launched_ranks_both_exit_2_and_debug_shows_the_traceback(char_data,
 def test_train_spawn_exits_2_and_debug_shows_the_traceback(char_data, tmp_path, problem, message):
     args = ["train_spawn.py", "--nproc=2", *tiny_args(char_data, tmp_path / "out"), problem]
     quiet = python(*args, timeout=120)
-    assert quiet.returncode == 2 and f"error: {message}" in quiet.stderr, quiet.stderr
-    assert "Traceback" not in quiet.stderr
+    # one line, though every rank raised it (they once each printed it, and the launcher its terminations)
+    assert quiet.returncode == 2 and quiet.stderr.startswith(f"error: {message}"), quiet.stderr
+    assert quiet.stderr.count("\n") == 1 and "Traceback" not in quiet.stderr, quiet.stderr
     loud = python(*args, "--debug", timeout=120)
     assert loud.returncode == 2 and "Traceback (most recent call last)" in loud.stderr, loud.stderr
     assert nothing_written(tmp_path / "out")
@@ -448,6 +455,18 @@ def test_help_lists_every_config_name_with_its_default(capsys):
         assert f"--{name}={value if isinstance(value, str) else repr(value)}\n" in printed
     train_spawn.main(["--help"])  # its own usage first (it once took --help for a bad override)
     assert capsys.readouterr().out == f"{train_spawn.__doc__}\n{printed}"
+
+
+@pytest.mark.parametrize("addr, port", [("127.0.0.1", "abc"), ("127.0.0.1", "99999"), ("127.0.0.1", None),
+                                        (None, "29500")])
+def test_a_master_address_or_port_that_cannot_be_is_a_clear_error(char_data, tmp_path, monkeypatch, capsys, addr,
+                                                                   port):
+    """Found before the group forms (exit 2), not as a group that could not form (exit 1)."""
+    for name, value in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR=addr, MASTER_PORT=port).items():
+        monkeypatch.setenv(name, value) if value is not None else monkeypatch.delenv(name, raising=False)
+    code, err = run_cli(tiny_args(char_data, tmp_path / "out"), monkeypatch, capsys)
+    assert code == 2 and err == (f"error: 2 processes need MASTER_ADDR (rank 0's host) and MASTER_PORT (a port, "
+                                 f"1-65535), got {addr!r} and {port!r}: check the launch command\n"), err
 
 
 @pytest.mark.parametrize("rank, size, message", [

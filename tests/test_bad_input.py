@@ -65,6 +65,20 @@ def test_an_absurd_learning_rate_stops_the_run_with_exit_1_and_saves_nothing(cha
     assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob(".*.tmp"))
 
 
+def test_a_torch_compile_that_fails_is_one_line(char_data, tmp_path, capsys, monkeypatch):
+    """No C++ compiler, say: torch.compile fails at the first compiled forward (step 0's eval)."""
+    def broken(graph, example_inputs):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nits advice")
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model: compile_(model, backend=broken))
+    with pytest.raises(SystemExit) as exit_info:
+        train.cli(tiny_args(char_data, tmp_path, compile=True))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.count("\n") == 1, err
+    assert err == ("error: torch.compile failed (RuntimeError: InvalidCxxCompiler: No working C++ compiler found): "
+                   "run with --compile=False\n"), err
+
+
 @pytest.mark.parametrize("damage, reason", [("truncated", "it is truncated"), ("random bytes", ""),
                                            ("a flipped bit", "its bytes are damaged (record archive/data/")])
 def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained_copy, tmp_path, char_data,

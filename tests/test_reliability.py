@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -161,6 +162,11 @@ def test_an_impossible_model_is_refused_before_anything_is_allocated(char_data, 
     code, _, err = train_cli(capsys, char_data, tmp_path / "out", n_layer=10**6, n_embd=10**6, n_head=1)
     assert code == 2 and "needs at least" in one_error(err) and "GB" in err
     assert time.time() - start < 30 and not (tmp_path / "out").exists()  # and no out_dir left behind
+    # a global batch of 10**10 sequences once took all memory for the loader's order of windows
+    code, _, err = train_cli(capsys, char_data, tmp_path / "out", batch_size=1, global_batch_size=10**12)
+    assert code == 2 and re.search(r"global_batch_size=1,000,000,000,000 needs at least 16,000\.0 GB per process for "
+                                   r"the loader's window order, but this host has [\d,.]+ GB", one_error(err)), err
+    assert time.time() - start < 30 and not (tmp_path / "out").exists()
 
 
 def test_a_huge_sample_request_runs_in_bounded_batches(monkeypatch):
