@@ -10,7 +10,7 @@ init_from = "gpt2"
 eval_interval = 5
 eval_iters = 10
 log_interval = 1
-always_save_checkpoint = False  # keep the checkpoint at the best val loss
+always_save_checkpoint = False  # save only when val improves (and at the end; best.pt keeps the best)
 
 block_size = 1024              # GPT-2's context; a smaller one crops the position table
 dropout = 0.0

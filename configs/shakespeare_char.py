@@ -4,7 +4,7 @@ dataset = "shakespeare_char"
 eval_interval = 250
 eval_iters = 200
 log_interval = 10
-always_save_checkpoint = False  # it overfits: keep last.pt at the best val loss
+always_save_checkpoint = False  # it overfits: save only when val improves (and at the end; best.pt keeps the best)
 
 n_layer = 6
 n_head = 6
