@@ -146,8 +146,8 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
     device, accum = world.device, world.accum
     with process_group(world, cfg.dist_timeout):
         if synthetic_dir:
-            steps_of_data = min(warmup + 2 * steps + 2, 2**27 // cfg.tokens_per_step + 2)  # then epochs roll over
-            n_train = steps_of_data * cfg.tokens_per_step + cfg.block_size
+            # at most 2^27 tokens: then the loader's epochs roll over (or repeat the data within a step)
+            n_train = min((warmup + 2 * steps + 2) * cfg.tokens_per_step, 2**27) + cfg.block_size
             cfg.data_dir = str(synthetic_data(cfg, world, Path(synthetic_dir), n_train))
         meta = Dataset(cfg).ready(world)
         run = build_run(cfg, world, meta)

@@ -241,7 +241,10 @@ def validate(cfg: Config) -> Config:
          "(out_dir/last.pt) or --resume=PATH.pt, or --init_from=scratch")
     need(bool(cfg.out_dir), "out_dir must not be empty")
     for name in ("out_dir", "dataset", "data_dir", "prepare_input", "init_from", "resume", "hellaswag_path"):
-        path = os.fsencode(getattr(cfg, name))  # (the bytes the file system is given)
+        try:
+            path = os.fsencode(getattr(cfg, name))  # (the bytes the file system is given)
+        except UnicodeEncodeError:  # a lone surrogate (a config file's "\ud800"): no bytes at all
+            path = b"\0"
         need(b"\0" not in path and len(path) < 4096 and all(len(part) <= 255 for part in path.split(b"/")),
              f"{name} is not a path a file system takes (a NUL byte, a name over 255 bytes or a path over 4096): "
              f"{_show(getattr(cfg, name))}")

@@ -27,7 +27,8 @@ class RunError(RuntimeError):
 
 
 def first_line(e: BaseException, limit: int = 200) -> str:
-    return (str(e).splitlines() or [""])[0][:limit]
+    line = next((line for line in str(e).splitlines() if line.strip()), "")
+    return line if len(line) <= limit else line[:limit] + "[...]"
 
 
 def load_failure(e: BaseException) -> str:
@@ -72,8 +73,10 @@ def say(line: str):
     """An error line on stderr; in train_spawn.py's ranks, into its ERRORS_TO folder instead, from
     which it prints each distinct line once (every rank raises the same agreed message)."""
     if os.environ.get("ERRORS_TO"):
-        with open(os.path.join(os.environ["ERRORS_TO"], os.environ.get("RANK", "0")), "w") as f:
+        path = os.path.join(os.environ["ERRORS_TO"], os.environ.get("RANK", "0"))
+        with open(path + ".tmp", "w", encoding="utf-8", errors="backslashreplace") as f:  # as stderr would
             f.write(line)
+        os.replace(path + ".tmp", path)  # whole, or not there (the launcher ends the other ranks)
     else:
         print(line, file=sys.stderr, flush=True)
 

@@ -52,10 +52,12 @@ def shard(model, world: World, reshard: bool):
     if groups == 1:
         mesh = init_device_mesh(world.device.type, (world.size,))  # the default group's ranks: its group
     else:  # new groups, which time out after dist_timeout like the default one (else torch's 30 minutes)
-        options = dist.ProcessGroupNCCL.Options() if world.backend == "nccl" else dist.ProcessGroupGloo._Options()
-        options._timeout = world.timeout
+        options = {dim: dist.ProcessGroupNCCL.Options() if world.backend == "nccl" else dist.ProcessGroupGloo._Options()
+                   for dim in ("replicate", "shard")}  # one each: torch fills in each group's ranks
+        for o in options.values():
+            o._timeout = world.timeout
         mesh = init_device_mesh(world.device.type, (groups, world.shard_size), mesh_dim_names=("replicate", "shard"),
-                                backend_override={"replicate": options, "shard": options})
+                                backend_override=options)
     # Compute in dtype; gradients are reduced in float32 and the sharded master weights stay
     # float32 (what the optimizer steps). autocast still runs the losses and norms in float32.
     mp = MixedPrecisionPolicy(param_dtype=None if world.dtype == torch.float32 else world.dtype,

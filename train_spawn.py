@@ -70,10 +70,12 @@ def run(nproc: int, args: list, errors: Path):
     try:
         while not context.join():
             pass
-    except mp.ProcessExitedException as e:
-        said = [f.read_text() for f in sorted(errors.iterdir(), key=lambda f: int(f.name))]
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+        said = [f.read_text("utf-8") for f in sorted(errors.iterdir(), key=lambda f: f.name.zfill(9)) if f.name.isdigit()]
         for line in dict.fromkeys(said):  # each distinct line once, in rank order
             print(line, file=sys.stderr, flush=True)
+        if not isinstance(e, mp.ProcessExitedException):  # a rank raised what no error names: its traceback
+            raise
         # 1 and 2: the rank said why; 128 + SIGTERM/SIGINT: it stopped with a checkpoint
         if e.exit_code < 0:  # killed by a signal (SIGKILL: the out-of-memory killer, say): a failed run
             print(f"error: rank {e.error_index} was killed by {e.signal_name}: relaunch with resume=auto to "

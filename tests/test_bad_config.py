@@ -143,11 +143,13 @@ CASES = [
     ("config file with a NUL byte", config_file_with_a_nul_byte, None,
      r"nul\.py: syntax error: source code string cannot contain null bytes"),  # no "line None"
     ("config file raising a message of two lines", lambda d: [str(write_bytes(d.parent / "two.py",
-                                                                            b'raise ValueError("one\\ntwo")'))],
+                                                                            b'raise ValueError("\\none\\ntwo")'))],
      None, r"two\.py, line 1: ValueError: one\n"),
     ("a name too long for a file system", ["--out_dir=" + "x" * 256], None,
      r"out_dir is not a path a file system takes \(a NUL byte, a name over 255 bytes or a path over 4096\)"),
     ("a NUL byte in a path", ['--resume="last\\x00.pt"'], None, r"resume is not a path a file system takes"),
+    ("a lone surrogate in a path", lambda d: [str(write_bytes(d.parent / "surrogate.py", b'out_dir = "\\ud800"'))],
+     None, r"out_dir is not a path a file system takes"),
     ("n_embd and n_head", ["--n_embd=33"], None, r"n_embd \(33\) must be divisible by n_head \(2\)"),
     ("zero layers", ["--n_layer=0"], None, r"n_layer must be positive, got 0"),
     ("negative batch", ["--batch_size=-4"], None, r"batch_size must be positive, got -4"),
@@ -292,6 +294,7 @@ def test_two_launched_ranks_both_exit_2_and_debug_shows_the_traceback(char_data,
 @pytest.mark.parametrize("problem, message", [
     ("--n_embd=33", "n_embd (33) must be divisible by n_head (2)"),  # found by the launcher
     ("--block_size=7000", "block_size (7000) is too long for the val split"),  # found by the ranks
+    ("--resume=/nonexistent/\udcff.pt", "nothing to resume from: /nonexistent/\\udcff.pt does not exist"),  # not UTF-8
 ])
 def test_train_spawn_exits_2_and_debug_shows_the_traceback(char_data, tmp_path, problem, message):
     args = ["train_spawn.py", "--nproc=2", *tiny_args(char_data, tmp_path / "out"), problem]
