@@ -96,14 +96,15 @@ class Agreement:
     """train.py's agreement on rare events, piggy-backed on the log step's loss all-reduce: at each
     log step, and in between every EVERY steps, or sooner when steps are slow, so a stop signal
     waits about SECONDS at most (torchrun kills its workers 30 s after passing SIGTERM on). The
-    cadence comes out of the all-reduce itself, so every rank agrees at the same steps."""
+    cadence comes out of the all-reduce itself, so every rank agrees at the same steps. A single
+    process has no one to wait for: it agrees every EVERY steps, and at once when sent a signal."""
     EVERY, SECONDS = 10, 2.0
 
     def __init__(self, world, step: int):
         self.world, self.next, self.since = world, step + 1, (step, time.perf_counter())
 
-    def due(self, step: int) -> bool:
-        return step >= self.next
+    def due(self, step: int, signum: int) -> bool:
+        return step >= self.next or (self.world.size == 1 and signum > 0)
 
     def __call__(self, loss: torch.Tensor, signum: int, problems: list, step: int) -> tuple:
         """In one all-reduce: the loss averaged over ranks, whether any rank was sent SIGTERM or
@@ -118,7 +119,8 @@ class Agreement:
             dist.all_reduce(votes, op=dist.ReduceOp.SUM)
         votes = votes.tolist()
         seconds_per_step = votes[1] / self.world.size
-        self.next = step + max(1, min(self.EVERY, int(self.SECONDS / max(seconds_per_step, 1e-6))))
+        every = int(self.SECONDS / max(seconds_per_step, 1e-6)) if self.world.size > 1 else self.EVERY
+        self.next = step + max(1, min(self.EVERY, every))
         self.since = (step, time.perf_counter())
         stop = next((int(s) for s, v in zip(signals, votes[2:4]) if v > 0), 0)
         return votes[0] / self.world.size, stop, [first_error(p, self.world) if v > 0 else None

@@ -290,7 +290,7 @@ def train(cfg: Config, world: World, dataset: Dataset) -> dict:
             run.step += 1
 
             at_log = run.step % cfg.log_interval == 0 or run.step == cfg.max_iters
-            if at_log or agree.due(run.step):  # a stop signal waits about 2 s, or 10 quick steps
+            if at_log or agree.due(run.step, stop.received):  # a stop waits about 2 s, or 10 quick steps
                 # one all-reduce: the loss over ranks, any rank's stop signal, bad token id, log
                 # failure or failed background save
                 loss, signum, (bad_tokens, log_failure, save_failure) = agree(

@@ -165,19 +165,23 @@ def test_a_cpu_process_maps_big_tensors_on_their_own():
 def test_the_ranks_agree_on_a_stop_about_every_2_seconds_and_every_slow_step(monkeypatch):
     """torchrun kills its workers 30 s after passing SIGTERM on: with 3.5 s steps, agreeing only
     every 10 steps lost the stop's checkpoint. The cadence follows the step time (every rank
-    gets it from the same all-reduce): every 10 quick steps, every slow one."""
+    gets it from the same all-reduce): every 10 quick steps, every slow one. A single process
+    stops as soon as it is sent a signal, with no host sync per step."""
     import signal
 
     import collectives
     from world import World
     clock = [0.0]
     monkeypatch.setattr(collectives.time, "perf_counter", lambda: clock[0])
-    agree, due = collectives.Agreement(World(), step=0), []
-    for step in range(1, 30):
-        clock[0] += 0.01 if step < 20 else 3.5
-        if agree.due(step):
-            due.append(step)
-            assert agree(torch.tensor(2.5), signal.SIGTERM if step == 29 else 0, ["bad", None], step) == (
-                2.5, signal.SIGTERM if step == 29 else 0, ["bad", None])
-    # 21: 10 steps, 8 quick and 2 slow, in 7.08 s, so every 2 steps; then every step
-    assert due == [1, 11, 21, 23, 24, 25, 26, 27, 28, 29]
+    monkeypatch.setattr(collectives.dist, "all_reduce", lambda votes, op: votes.mul_(2))  # two ranks alike
+    for size, expected in ((2, [1, 11, 21, 23, 24, 25, 26, 27, 28, 29]), (1, [1, 11, 21, 25, 26, 27, 28, 29])):
+        agree, due, clock[0] = collectives.Agreement(World(size=size), step=0), [], 0.0
+        for step in range(1, 30):
+            clock[0] += 0.01 if step < 20 else 3.5
+            signum = signal.SIGTERM if step >= (29 if size == 2 else 25) else 0
+            if agree.due(step, signum):
+                due.append(step)
+                problems = ["bad", None] if size == 1 else [None]  # (a message would travel in other collectives)
+                assert agree(torch.tensor(2.5), signum, problems, step) == (2.5, signum, problems)
+        # two ranks at 21: 10 steps, 8 quick and 2 slow, in 7.08 s, so every 2 steps; then every step
+        assert due == expected, (size, due)
