@@ -227,8 +227,12 @@ def load_for_text(init_from: str, device) -> tuple:
 
 def export(model: GPT, folder, gpt2_tokenizer: bool):
     """Write `model` as a Hugging Face GPT-2 folder: config.json, model.safetensors and, for a
-    model of GPT-2's BPE, the tokenizer files."""
-    from data.files import atomic_write_bytes
+    model of GPT-2's BPE, the tokenizer files. They are made in a temporary folder inside it, then
+    moved in: a failure (a full disk, a damaged vocabulary file) leaves what was there as it was."""
+    import os
+    import tempfile
+
+    from data.files import atomic_write_bytes, fsync_dir
     from data.tokenizers import write_gpt2_tokenizer_files
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -240,11 +244,15 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
               "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
               "tie_word_embeddings": True, "bos_token_id": GPT2_EOT, "eos_token_id": GPT2_EOT}
     from safetensors.torch import save
-    atomic_write_bytes(folder / "model.safetensors", save(gpt2_to_hf(model), metadata={"format": "pt"}))
-    atomic_write_bytes(folder / "config.json", (json.dumps(config, indent=1) + "\n").encode())
-    if gpt2_tokenizer:
-        write_gpt2_tokenizer_files(folder, cfg.block_size)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as tmp:
+        atomic_write_bytes(Path(tmp, "model.safetensors"), save(gpt2_to_hf(model), metadata={"format": "pt"}))
+        atomic_write_bytes(Path(tmp, "config.json"), (json.dumps(config, indent=1) + "\n").encode())
+        if gpt2_tokenizer:
+            write_gpt2_tokenizer_files(tmp, cfg.block_size)
+        for made in sorted(Path(tmp).iterdir()):
+            os.replace(made, folder / made.name)
     # files an earlier export or download left there would describe another model (or tokenizer)
     stale = ("pytorch_model.bin", "tokenizer.json") + (() if gpt2_tokenizer else TOKENIZER_FILES)
     for name in stale:
         (folder / name).unlink(missing_ok=True)
+    fsync_dir(folder)

@@ -154,6 +154,8 @@ def write_gpt2_tokenizer_files(folder, model_max_length: int = 1024):
     """vocab.json, merges.txt and tokenizer_config.json: GPT-2's tokenizer as transformers reads
     it, made from data/gpt2.tiktoken. Each token of two or more bytes was made by one merge; it
     is found by running the merges ranked before the token on the token's own bytes."""
+    if not REPO_COPY.is_file():
+        raise ValueError(f"{REPO_COPY} is missing: restore it (git checkout data/{REPO_COPY.name})")
     data = REPO_COPY.read_bytes()
     check_sha256(data, GPT2_TIKTOKEN_SHA256, str(REPO_COPY))
     ranks = _ranks(data)

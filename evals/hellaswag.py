@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from collectives import agree_or_raise
 from data.files import atomic_write_bytes, cache_dir
-from errors import ConfigError, HellaSwagMissing
+from errors import ConfigError, HellaSwagMissing, first_line
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 # rowanz/hellaswag publishes no sha256 of the file. What its repository does record is the
@@ -154,7 +154,10 @@ def load(path: str, block_size: int, limit: int = 0) -> list:
     if block_size < 2:  # one context token and one ending token, or no ending is scored at all
         raise ConfigError(f"HellaSwag needs a block_size of at least 2, not {block_size}")
     from data.tokenizers import gpt2_encoding
-    enc = gpt2_encoding(verbose=False)
+    try:
+        enc = gpt2_encoding(verbose=False)
+    except (OSError, ValueError, RuntimeError) as e:  # a bad $GPT2_TIKTOKEN_FILE; no copy and no network
+        raise ConfigError(f"HellaSwag needs GPT-2's tokenizer: {first_line(e)}") from None
     return [render(*example, enc.encode_ordinary, block_size) for example in read_examples(locate(path), limit)]
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 import checkpoint  # noqa: E402
 import pretrained  # noqa: E402
-from errors import ArgumentParser, ConfigError, reported  # noqa: E402
+from errors import ArgumentParser, ConfigError, first_line, reported  # noqa: E402
 
 
 def main(argv=None):
@@ -33,6 +33,8 @@ def main(argv=None):
     p.add_argument("--to", required=True, help="the folder to write (created; files in it are replaced)")
     args = p.parse_args(argv)
     out_dir, to = Path(args.out_dir), Path(args.to)
+    if not args.to:  # (an unset shell variable): it would write into the current folder
+        raise ConfigError("--to is empty: give the folder to write")
     if not out_dir.is_dir():
         raise ConfigError(f"out_dir {out_dir} does not exist: pass the folder train.py wrote with --out_dir")
     if to.resolve() == out_dir.resolve():
@@ -44,6 +46,8 @@ def main(argv=None):
         pretrained.export(model, to, gpt2_tokenizer=meta["tokenizer"] == "gpt2")
     except OSError as e:
         raise ConfigError(f"cannot write {to}: {e.strerror or e}") from None
+    except ValueError as e:  # data/gpt2.tiktoken missing or damaged
+        raise ConfigError(f"cannot write GPT-2's tokenizer files: {first_line(e)}") from None
     files = ", ".join(sorted(f.name for f in to.iterdir() if not f.name.startswith(".")))
     print(f"{path} (step {step}) -> {to}/ ({files})")
 

@@ -49,7 +49,8 @@ def read_run(out_dir: Path) -> dict:
     if config.is_file():
         try:
             run = json.loads(config.read_text())["run"]
-            world, tokens_per_step = run.get("world_size"), run.get("tokens_per_step") or tokens_per_step
+            numbers = {k: v for k, v in run.items() if type(v) is int and v > 0}  # an edit's {"a": 1} is not one
+            world, tokens_per_step = numbers.get("world_size"), numbers.get("tokens_per_step") or tokens_per_step
         except (ValueError, TypeError, KeyError, AttributeError):  # not train.py's: the label goes without
             pass
     return dict(train=sorted(train.items()), val=sorted(val.items()), hellaswag=sorted(hellaswag.items()),

@@ -123,6 +123,7 @@ def test_plot_runs_tells_same_named_folders_apart_and_skips_unreadable_lines(tmp
         (tmp_path / exp / "out").mkdir(parents=True)
         (tmp_path / exp / "out" / "metrics.jsonl").write_text(good + bad)
     (tmp_path / "exp2" / "out" / "config.json").write_text('{"run": 5}')  # not train.py's
+    (tmp_path / "exp1" / "out" / "config.json").write_text('{"run": {"tokens_per_step": {"a": 1}, "world_size": 0}}')
     proc = script("scripts/plot_runs.py", tmp_path / "exp1" / "out", tmp_path / "exp2" / "out",
                   f"--out={tmp_path / 'runs.png'}")
     assert proc.returncode == 0 and proc.stdout.splitlines() == [

@@ -169,6 +169,10 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
     for timeout in ("-1", "nan"):
         error = fails(["--init_from", hf_folder, f"--dist_timeout={timeout}"], capsys)
         assert "--dist_timeout must be positive seconds" in error
+    monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(tmp_path / "no.tiktoken"))  # was a traceback
+    error = fails(["--init_from", hf_folder, "--hellaswag", hs_file], capsys)
+    assert f"HellaSwag needs GPT-2's tokenizer: GPT-2 BPE file {tmp_path / 'no.tiktoken'}" in error
+    monkeypatch.delenv("GPT2_TIKTOKEN_FILE")
 
     class Response:  # a download that is not the official file
         def __init__(self, *a, **k):

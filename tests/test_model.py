@@ -191,6 +191,8 @@ def test_temperature_zero_and_top_k_one_are_greedy():
     idx = random_tokens(2, 4, 97)
     greedy = reference_greedy(model, idx, 20)
     assert torch.equal(model.generate(idx, 20, temperature=0), greedy)
+    # a temperature that is 0 in float32 once divided the logits by 0: NaN probabilities, a traceback
+    assert torch.equal(model.generate(idx, 20, temperature=1e-300, generator=torch.Generator()), greedy)
     top1 = model.generate(idx, 20, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(0))
     assert torch.equal(top1, greedy)
 

@@ -293,7 +293,7 @@ def test_gpt2_to_hf_is_what_transformers_computes():
     assert (full_logits(ours, x) - hf_logits(hf, x)).abs().max().item() < 1e-5
 
 
-def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data, train, script):
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data, train, script, fails_with, monkeypatch):
     """A model without biases and with a padded vocabulary: both must be undone for GPT-2's format."""
     out = tmp_path / "out"
     train(tiny_args(bpe_data, out, dataset="shakespeare", max_iters=3, eval_interval=3, bias=False,
@@ -312,6 +312,16 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data, trai
     # and back in: the exported folder is a valid init_from
     again = pretrained.load_gpt(str(tmp_path / "hf"))
     assert (full_logits(again, x) - full_logits(ours, x)).abs().max().item() < 1e-5
+    # an export that fails midway (here the vocabulary file is damaged, after the weights were made)
+    # leaves the good export as it was: it once replaced the weights and config, then stopped
+    before = {f.name: f.read_bytes() for f in (tmp_path / "hf").iterdir()}
+    import data.tokenizers
+    damaged = tmp_path / "gpt2.tiktoken"
+    damaged.write_bytes(REPO_COPY.read_bytes()[:-10])
+    monkeypatch.setattr(data.tokenizers, "REPO_COPY", damaged)
+    fails_with(["scripts/export_hf.py", f"--out_dir={out}", "--checkpoint=last", f"--to={tmp_path / 'hf'}"],
+               "cannot write GPT-2's tokenizer files:", "sha256")
+    assert {f.name: f.read_bytes() for f in (tmp_path / "hf").iterdir()} == before
 
 
 def test_exported_tokenizer_files_encode_as_tiktoken(tmp_path):
@@ -345,6 +355,7 @@ def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data,
 
 def test_export_bad_input_is_one_line(tmp_path, fails_with):
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'none'}", "--to=x"], "does not exist")
+    fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path}", "--to="], "--to is empty")  # not the current folder
     (tmp_path / "empty").mkdir()
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", "--to=x"],
                "no best.pt, last.pt or previous.pt")
