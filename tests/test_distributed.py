@@ -198,8 +198,8 @@ def test_resume_on_a_world_size_that_cannot_hold_the_global_batch_stops(char_dat
     train_run(1, char_data, tmp_path, max_iters=4)
     # global batch 16 of micro-batches of 4 cannot be split over 3 processes: stop, say so,
     # and never silently change the data order (this fails before any process group exists)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "3")
+    for name, value in dict(RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=r"global_batch_size \(16\).*batch_size \(4\) x world size \(3\)"):
         train.main(resolve(args_for(char_data, tmp_path, resume="auto")))
     assert ckpt(tmp_path)["step"] == 4
