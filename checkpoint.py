@@ -141,9 +141,9 @@ def read(path: Path, tensors: bool = True):
     raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {reason}")
 
 
-def load(path: Path, model_args: dict, cfg: Config) -> dict:
-    """Read and check a checkpoint against the run that wants to continue it (a .dcp folder's
-    tensors are not read here: every rank loads its own shards)."""
+def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
+    """Read and check a checkpoint against the run that wants to continue it and its dataset's
+    `meta` (a .dcp folder's tensors are not read here: every rank loads its own shards)."""
     ckpt = read(path, tensors=path.suffix != ".dcp")
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         version = ckpt.get("format") if isinstance(ckpt, dict) else None
@@ -159,6 +159,11 @@ def load(path: Path, model_args: dict, cfg: Config) -> dict:
             f"but the dataset now has {model_args['vocab_size']} (its meta.json): resume with the "
             f"data it was trained on (dataset={ckpt['config'].get('dataset')!r}, "
             f"data_dir={ckpt['config'].get('data_dir')!r}) or start afresh with --resume=never")
+    if meta is not None and not same_vocabulary(path.parent / "meta.json", meta):
+        raise ConfigError(
+            f"{path} was trained on another vocabulary than the dataset's ({path.parent / 'meta.json'} holds its "
+            f"own; same size, other tokens): resume with the data it was trained on "
+            f"(data_dir={ckpt['config'].get('data_dir')!r}) or start afresh with --resume=never")
     saved = {**dataclasses.asdict(GPTConfig()), **ckpt["model_args"]}  # older files lack newer fields
     diff = {k: (saved.get(k), v) for k, v in model_args.items() if k != "dropout" and saved.get(k) != v}
     if diff:
@@ -172,6 +177,17 @@ def load(path: Path, model_args: dict, cfg: Config) -> dict:
         raise ConfigError(f"{path}: {problem}: it was not written by this train.py as it is (edited by hand?)")
     ckpt["path"] = str(path)
     return ckpt
+
+
+def same_vocabulary(saved_meta: Path, meta: dict) -> bool:
+    """Whether the meta.json a run wrote beside its checkpoints (if it can be read) names the
+    tokens `meta` does: a character vocabulary of the same size may map ids to other characters."""
+    try:
+        saved = json.loads(saved_meta.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none there (copied elsewhere): vocab_size is all there is to check
+        return True
+    return not isinstance(saved, dict) or [saved.get(k) for k in ("tokenizer", "chars")] == [
+        meta.get(k) for k in ("tokenizer", "chars")]
 
 
 def malformed(ckpt: dict, model_args: dict, cfg: Config):
@@ -246,14 +262,14 @@ def read_first(paths: list, use):
             print(f"warning: {e}\ntrying {paths[i + 1]} instead", file=sys.stderr, flush=True)
 
 
-def resume(cfg: Config, model_args: dict, world, restore):
+def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
     """The checkpoint this run continues from (rank 0's; the others get its plain values), once
     restore(ckpt) took it on every rank; or None. With resume=auto a damaged newest one falls back
     to the next newest (last -> previous): a .pt as rank 0 reads it, a sharded one when every
     rank's reading its shards in restore fails (DCP tells every rank)."""
     damaged = {}
     while True:
-        ckpt = on_rank0(lambda: load_for_resume(cfg, model_args, damaged), world, ("model", "optimizer", "rng"))
+        ckpt = on_rank0(lambda: load_for_resume(cfg, model_args, damaged, meta), world, ("model", "optimizer", "rng"))
         if ckpt is None:
             return None
         try:
@@ -267,13 +283,13 @@ def resume(cfg: Config, model_args: dict, world, restore):
                 print(f"warning: {e}\ntrying the next newest checkpoint instead", file=sys.stderr, flush=True)
 
 
-def load_for_resume(cfg: Config, model_args: dict, damaged: dict):
+def load_for_resume(cfg: Config, model_args: dict, damaged: dict, meta: dict = None):
     """Rank 0: the checkpoint to continue from (read and checked), or None; past those in `damaged`
     (path -> why), and past a .pt it cannot read."""
     paths = [p for p in find(cfg) if str(p) not in damaged]
     if damaged and not paths:
         raise UnreadableCheckpoint(list(damaged.values())[-1])
-    return read_first(paths, lambda p: load(p, model_args, cfg)) if paths else None
+    return read_first(paths, lambda p: load(p, model_args, cfg, meta)) if paths else None
 
 
 def add_source_args(parser):

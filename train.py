@@ -229,7 +229,7 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
     # Each rank gets its own dropout stream, derived from the one seed.
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
     # rank 0 reads and checks the file (other hosts need no copy); the others get its run state
-    ckpt = checkpoint.resume(cfg, model_args, world, run.load_state_dict)
+    ckpt = checkpoint.resume(cfg, model_args, world, run.load_state_dict, meta)
     if ckpt is None and pretrained.is_pretrained(cfg.init_from):
         ckpt = on_rank0(lambda: {"model": pretrained.load_state(cfg.init_from, raw_model)}, world, ("model",))
         parallel.load_full_state(raw_model, optimizer, world, ckpt["model"] or {})

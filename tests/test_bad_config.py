@@ -249,7 +249,7 @@ def test_every_rank_exits_2_with_the_same_message_before_the_group_and_touches_n
 
 def test_a_dataset_with_another_vocabulary_than_the_checkpoint_is_refused(copies, char_data, tmp_path,
                                                                          monkeypatch, capsys):
-    _, out = copies
+    data, out = copies
     other = tmp_path / "other"
     other_vocabulary(other)
     before = snapshot(tmp_path)
@@ -258,6 +258,14 @@ def test_a_dataset_with_another_vocabulary_than_the_checkpoint_is_refused(copies
     assert f"{out / 'last.pt'} was trained on a vocabulary of" in err
     assert "but the dataset now has 5" in err and f"data_dir={str(char_data)!r}" in err
     assert "--resume=never" in err
+    assert snapshot(tmp_path) == before
+    # the same number of characters, other ones: it once resumed, and sample.py decoded with them
+    rewrite_meta(data, chars=json.loads((data / "meta.json").read_text())["chars"][::-1])
+    before = snapshot(tmp_path)
+    code, err = run_cli(tiny_args(data, out, resume="auto"), monkeypatch, capsys)
+    assert code == 2 and err == (f"error: {out / 'last.pt'} was trained on another vocabulary than the dataset's "
+                                 f"({out / 'meta.json'} holds its own; same size, other tokens): resume with the data "
+                                 f"it was trained on (data_dir={str(char_data)!r}) or start afresh with --resume=never\n")
     assert snapshot(tmp_path) == before
 
 
