@@ -334,10 +334,14 @@ def run_main(script: str, args, monkeypatch, capsys) -> Ran:
     import runpy
     monkeypatch.setattr(sys, "argv", [script, *map(str, args)])
     capsys.readouterr()
+    environ = dict(os.environ)
     try:
         runpy.run_path(str(REPO / script), run_name="__main__")
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:  # what the script set (train_spawn.py's MASTER_PORT) leaks into no later test
+        os.environ.clear()
+        os.environ.update(environ)
     out, err = capsys.readouterr()
     return Ran(code, out, err)
