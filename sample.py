@@ -49,7 +49,7 @@ def parse_args(argv=None):
 def read_prompt(start: str) -> str:
     if start.startswith("FILE:"):
         path = Path(start[5:])
-        if not path.is_file():
+        if not path.exists() or path.is_dir():  # (a pipe is not a file, yet reads: FILE:/dev/stdin)
             raise ConfigError(f"prompt file {path} {'is a folder' if path.is_dir() else 'does not exist'}")
         try:
             start = path.read_text(encoding="utf-8")
@@ -99,7 +99,8 @@ def main(argv=None):
         encode, decode = tokenizer_from_meta(meta)
         prompt = encode(read_prompt(args.start))
     except (ValueError, RuntimeError) as e:  # characters outside a char vocabulary; no GPT-2 BPE
-        raise ConfigError(str(e)) from None
+        default = " (the default --start, a newline: give --start=TEXT)" if args.start == "\n" else ""
+        raise ConfigError(f"{e}{default}") from None
     print(f"# {path} (step {step}), seed {args.seed}", file=sys.stderr)
 
     generator = torch.Generator(device).manual_seed(args.seed)

@@ -69,11 +69,16 @@ def read_documents(path: Path) -> Iterator[str]:
                                      f"line must be a JSON object with the document in 'text'")
                 yield record["text"]
     elif path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
-        parquet = pq.ParquetFile(path)
+        try:
+            parquet = pq.ParquetFile(path)
+        except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            raise ValueError(f"{path} is not a readable parquet file ({e})") from None
         if "text" not in parquet.schema_arrow.names:
             raise ValueError(f"{path} has no 'text' column (it has {', '.join(parquet.schema_arrow.names)})")
         kind = parquet.schema_arrow.field("text").type
+        kind = kind.value_type if pa.types.is_dictionary(kind) else kind  # a pandas categorical's strings
         if str(kind) not in ("string", "large_string", "string_view"):
             raise ValueError(f"{path}: its 'text' column holds {kind}, not strings: give the documents as text")
         for batch in parquet.iter_batches(columns=["text"], batch_size=1024):

@@ -128,3 +128,30 @@ def test_sample_with_a_prompt_and_output_far_past_block_size_finishes(trained, t
     assert proc.returncode == 0, proc.stderr
     samples = [s for s in proc.stdout.split(SEPARATOR) if s.strip()]
     assert len(samples) == 2 and all(len(s.strip("\n")) == 240 + 2000 for s in samples)
+
+
+def test_a_prompt_from_a_pipe_and_a_default_prompt_the_vocabulary_lacks(trained, tmp_path, sample, monkeypatch):
+    """FILE: takes a pipe (FILE:/dev/stdin once said "does not exist"); a vocabulary without a
+    newline is told that the default --start is one (it read as a character the user never gave)."""
+    import threading
+
+    import data.tokenizers
+    fifo = tmp_path / "prompt.fifo"
+    os.mkfifo(fifo)
+    threading.Thread(target=fifo.write_text, args=("the king",), daemon=True).start()
+    proc = sample(f"--out_dir={trained}", f"--start=FILE:{fifo}", "--num_samples=1", "--max_new_tokens=5")
+    assert proc.returncode == 0 and proc.stdout.startswith("the king"), proc.stderr
+    real = data.tokenizers.tokenizer_from_meta
+
+    def without_newline(meta):
+        encode, decode = real(meta)
+
+        def encode_without(text):
+            if "\n" in text:
+                raise ValueError("characters not in the vocabulary: '\\n'")
+            return encode(text)
+        return encode_without, decode
+    monkeypatch.setattr(data.tokenizers, "tokenizer_from_meta", without_newline)
+    proc = sample(f"--out_dir={trained}")
+    assert proc.returncode == 2 and proc.stderr.endswith(
+        "(the default --start, a newline: give --start=TEXT)\n"), proc.stderr

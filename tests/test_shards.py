@@ -36,11 +36,13 @@ def documents(n: int, seed: int) -> list:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """~1 MB of text in three files: two parquet (with another column beside `text`), one jsonl."""
+    """~1 MB of text in three files: two parquet (with another column beside `text`; the second's
+    text dictionary-encoded, as pandas writes a categorical), one jsonl."""
     folder = tmp_path_factory.mktemp("corpus")
     docs = documents(2400, seed=0)
     for i, part in enumerate((docs[:900], docs[900:1600])):
-        pq.write_table(pa.table({"id": list(range(len(part))), "text": part}), folder / f"part{i}.parquet",
+        text = pa.array(part).dictionary_encode() if i else part
+        pq.write_table(pa.table({"id": list(range(len(part))), "text": text}), folder / f"part{i}.parquet",
                        row_group_size=128)
     with open(folder / "part2.jsonl", "w") as f:
         for d in docs[1600:]:
@@ -241,6 +243,7 @@ def test_epochs_over_shards_never_repeat_a_window_and_resume_on_the_boundary(cha
     (lambda d: pq.write_table(pa.table({"content": ["x"]}), d / "c.parquet"), "c.parquet has no 'text' column"),
     (lambda d: pq.write_table(pa.table({"text": [1, 2]}), d / "c.parquet"),
      "c.parquet: its 'text' column holds int64, not strings"),
+    (lambda d: (d / "c.parquet").write_bytes(b"PAR1 cut short"), "c.parquet is not a readable parquet file ("),
     (lambda d: (d / "c.jsonl").write_text(""), "the corpus holds no documents"),
     (lambda d: (d / "c.txt").write_text("a short corpus"),  # the count once came from the progress bar: 0 here
      "the corpus (1 documents, 4 tokens) gives no train shard: too small for --shard_tokens"),
@@ -257,6 +260,8 @@ def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script,
     if "short" in message:  # a shard past what its header can count: refused before a buffer is made
         proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--shard_tokens=3000000000")
         assert proc.returncode == 2 and "must be 1 to 2**31 - 1" in proc.stderr, proc.stderr
+        proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--workers=0")
+        assert proc.returncode == 2 and "--workers (0) positive" in proc.stderr, proc.stderr  # not all the cores
 
 
 @pytest.mark.parametrize("name, text", [("meta.json", "[]"), (".progress.json", "[]"),

@@ -40,7 +40,7 @@ def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, subset="sample-10
         source = hub_source(repo_id, hub_files(repo_id, revision, folder, "check --subset"), revision,
                             out_dir / ".download")
         settings = {"repo": repo_id, "subset": subset, "revision": revision}
-    meta = write_shards(source, out_dir, "fineweb", shard_tokens, workers or os.cpu_count(),
+    meta = write_shards(source, out_dir, "fineweb", shard_tokens, os.cpu_count() if workers is None else workers,
                         route=lambda doc: "stream",
                         split_of_shard={"stream": lambda n: "val" if n == 0 else "train"},
                         settings=settings)

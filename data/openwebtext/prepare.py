@@ -52,7 +52,7 @@ def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, revision="main", 
     if len(counts) != len(source.names):  # the split needs the number of documents up front
         counts = [count_documents(source.fetch(i)) for i in range(len(source.names))]
     val = val_documents(sum(counts))
-    meta = write_shards(source, out_dir, "openwebtext", shard_tokens, workers or os.cpu_count(),
+    meta = write_shards(source, out_dir, "openwebtext", shard_tokens, os.cpu_count() if workers is None else workers,
                         route=lambda doc: "val" if doc in val else "train",
                         split_of_shard={"val": lambda n: "val", "train": lambda n: "train"},
                         settings={**settings, "val_fraction": VAL_FRACTION, "split_seed": SPLIT_SEED},
