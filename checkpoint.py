@@ -186,8 +186,7 @@ def same_vocabulary(saved_meta: Path, meta: dict) -> bool:
         saved = json.loads(saved_meta.read_text(encoding="utf-8"))
     except (OSError, ValueError):  # none there (copied elsewhere): vocab_size is all there is to check
         return True
-    return not isinstance(saved, dict) or [saved.get(k) for k in ("tokenizer", "chars")] == [
-        meta.get(k) for k in ("tokenizer", "chars")]
+    return not isinstance(saved, dict) or all(saved[k] == meta.get(k) for k in ("tokenizer", "chars") if k in saved)
 
 
 def malformed(ckpt: dict, model_args: dict, cfg: Config):
