@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.files import atomic_write, write_temp
+from data.files import atomic_write, preparing, write_temp
 
 DATASET_FORMAT = 1
 HEADER_INTS = 256  # an llm.c shard header: 256 int32, of which the first three are used
@@ -101,21 +101,22 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
     meta = {"vocab_size": vocab_size, "dtype": dtype.name, **meta, "train_tokens": arrays["train.bin"].size,
             "val_tokens": arrays["val.bin"].size, "format": DATASET_FORMAT}
     meta_bytes = (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-    temps = {}
-    try:
-        for name, array in arrays.items():
-            temps[name] = write_temp(out_dir / name, array.tofile)
-        temps["meta.json"] = write_temp(out_dir / "meta.json", lambda f: f.write(meta_bytes))
-        (out_dir / "meta.json").unlink(missing_ok=True)
-        for name, tmp in temps.items():  # meta.json last
-            os.replace(tmp, out_dir / name)
-    except OSError as e:
-        if e.errno is None and "written" in str(e):  # numpy's tofile cut short: "N requested and M written"
-            raise OSError(errno.ENOSPC, f"No space left on device for the dataset in {out_dir} ({e})") from None
-        raise
-    finally:
-        for tmp in temps.values():
-            tmp.unlink(missing_ok=True)
+    with preparing(out_dir):  # another preparation into out_dir waits; what a killed one left goes
+        temps = {}
+        try:
+            for name, array in arrays.items():
+                temps[name] = write_temp(out_dir / name, array.tofile)
+            temps["meta.json"] = write_temp(out_dir / "meta.json", lambda f: f.write(meta_bytes))
+            (out_dir / "meta.json").unlink(missing_ok=True)
+            for name, tmp in temps.items():  # meta.json last
+                os.replace(tmp, out_dir / name)
+        except OSError as e:
+            if e.errno is None and "written" in str(e):  # numpy's tofile cut short: "N requested and M written"
+                raise OSError(errno.ENOSPC, f"No space left on device for the dataset in {out_dir} ({e})") from None
+            raise
+        finally:
+            for tmp in temps.values():
+                tmp.unlink(missing_ok=True)
     return meta
 
 

@@ -1,6 +1,7 @@
 """File utilities for the data scripts, train.py and checkpoint.py: atomic writes, sha256,
 and fetching a file from the Python package index (the fallback source of every download)."""
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -94,6 +95,36 @@ def disk_full(e: BaseException, folder: Path, need: int):
     if "unexpected pos" in str(e) and free < need:
         return f"No space left on device: a checkpoint takes about {need / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free"
     return None
+
+
+class preparing:
+    """An exclusive lock on `folder` itself (no lock file among the data), taken before the
+    temporaries a killed preparation left there are removed: one preparation writes into a folder
+    at a time (another, on this host or one sharing the disk, waits for it). Held until closed:
+    at the end of a with block, or when the object goes."""
+    fd = None
+
+    def __init__(self, folder: Path):
+        self.fd = os.open(folder, os.O_RDONLY)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another preparation into {folder} to finish", flush=True)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks: go on, as before there were any
+            pass
+        remove_stale_temporaries(folder)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.__del__()
+
+    def __del__(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def remove_stale_temporaries(folder: Path) -> list:

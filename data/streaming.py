@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_VOCAB_SIZE, PROGRESS, load_meta, write_shard
 from data.corpora import prepare_parser
-from data.files import atomic_write_bytes, remove_stale_temporaries
+from data.files import atomic_write_bytes, preparing
 from data.tokenizers import gpt2_encoding
 
 
@@ -258,7 +258,7 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
     gpt2_encoding(verbose=False)  # a bad vocabulary file is one line here, not in every worker
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out_dir)  # a shard cut short when a previous run was killed
+    lock = preparing(out_dir)  # (held until this returns) another preparation waits; a killed one's shard goes
     settings = {**settings, "files": source.names, "shard_tokens": shard_tokens, "prefix": prefix}
     if (out_dir / "meta.json").is_file() and not (out_dir / PROGRESS).is_file():
         return _already_prepared(out_dir, settings)

@@ -252,3 +252,27 @@ def test_a_training_process_never_loads_the_corpus_downloads():
     assert proc.returncode == 0, proc.stderr
     assert {"data.dataset", "data.files", "data.tokenizers"} <= loaded
     assert "data.corpora" not in loaded, loaded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, extra", [("data/shakespeare_char/prepare.py", []),
+                                           ("data/fineweb/prepare.py", ["--workers=1", "--shard_tokens=100"])])
+def test_a_second_preparation_into_a_folder_waits_for_the_first_and_a_killed_ones_temporaries_go(tmp_path, script,
+                                                                                               extra):
+    """Two preparations into one folder (by hand, or two hosts' local rank 0 on a shared disk): the
+    second once deleted the first's temporaries and killed it; a killed char prepare's stayed forever."""
+    import fcntl
+    out, corpus = tmp_path / "data", tmp_path / "input.txt"
+    out.mkdir()
+    (out / ".train.bin.0123456789ab.tmp").write_bytes(b"left by a kill -9")
+    corpus.write_text(TEXT)
+    fd = os.open(out, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the first preparation, still writing
+    proc = subprocess.Popen([sys.executable, script, f"--input={corpus}", f"--out_dir={out}", *extra], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    waited = next((line for line in proc.stdout if line.startswith("waiting for another preparation")), None)
+    assert waited == f"waiting for another preparation into {out} to finish\n", proc.stderr.read()
+    assert [p.name for p in out.iterdir()] == [".train.bin.0123456789ab.tmp"]  # untouched while it waits
+    os.close(fd)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 0 and (out / "meta.json").is_file() and not list(out.glob(".*")), err
