@@ -72,11 +72,10 @@ def reported(debug: bool = False, also: tuple = ()):
 def say(line: str):
     """An error line on stderr; in train_spawn.py's ranks, into its ERRORS_TO folder instead, from
     which it prints each distinct line once (every rank raises the same agreed message)."""
-    if os.environ.get("ERRORS_TO"):
-        path = os.path.join(os.environ["ERRORS_TO"], os.environ.get("RANK", "0"))
-        with open(path + ".tmp", "w", encoding="utf-8", errors="backslashreplace") as f:  # as stderr would
-            f.write(line)
-        os.replace(path + ".tmp", path)  # whole, or not there (the launcher ends the other ranks)
+    if os.environ.get("ERRORS_TO"):  # whole, or not there (the launcher ends the other ranks)
+        from data.files import atomic_write_bytes
+        atomic_write_bytes(os.path.join(os.environ["ERRORS_TO"], os.environ.get("RANK", "0")),
+                           line.encode("utf-8", "backslashreplace"))  # as stderr would write it
     else:
         print(line, file=sys.stderr, flush=True)
 

@@ -71,8 +71,7 @@ def run(nproc: int, args: list, errors: Path):
         while not context.join():
             pass
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
-        said = [f.read_text("utf-8") for f in sorted(errors.iterdir(), key=lambda f: f.name.zfill(9))
-                if f.name.isdigit()]
+        said = [(errors / str(rank)).read_text("utf-8") for rank in range(nproc) if (errors / str(rank)).exists()]
         for line in dict.fromkeys(said):  # each distinct line once, in rank order
             print(line, file=sys.stderr, flush=True)
         if not isinstance(e, mp.ProcessExitedException):  # a rank raised what no error names: its traceback

@@ -119,12 +119,14 @@ class preparing:
         return self
 
     def __exit__(self, *exc):
-        self.__del__()
+        self.close()
 
-    def __del__(self):
+    def close(self):
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+    __del__ = close
 
 
 def remove_stale_temporaries(folder: Path) -> list:
