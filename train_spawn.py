@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 import train
 from config import resolve
-from errors import ConfigError, reported
+from errors import ArgumentParser, ConfigError, reported
 from world import World, setup, strip_local_rank
 
 
@@ -42,15 +42,13 @@ def main(argv=None):
     if "-h" in args or "--help" in args:  # this launcher's usage, then train.py's settings
         print(__doc__)
         return train.cli(["--help"])
-    nproc = torch.cuda.device_count() or 2
-    nproc_args = [a for a in args if a.startswith("--nproc=")]
-    args = [a for a in args if not a.startswith("--nproc=")]
     with reported(debug="--debug" in args):
-        if nproc_args:
-            text = nproc_args[-1].split("=", 1)[1]
-            if not (text.isascii() and text.isdigit()) or int(text) < 1:
-                raise ConfigError(f"--nproc must be a positive integer, got '{text}'")
-            nproc = int(text)
+        p = ArgumentParser(prog="train_spawn.py", add_help=False, allow_abbrev=False)  # the rest is train.py's
+        p.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2)
+        known, args = p.parse_known_args(args)
+        if known.nproc < 1:
+            raise ConfigError(f"--nproc must be a positive integer, got {known.nproc}")
+        nproc = known.nproc
         # a bad config or device fails here once, not in N children
         cfg = resolve(strip_local_rank([a for a in args if a != "--debug"]))
         setup(cfg, claim=False, world=World(size=nproc, local_size=nproc))  # as its rank 0 will see it

@@ -327,6 +327,13 @@ def test_a_launchers_own_check_is_for_the_world_it_will_start(char_data, tmp_pat
     assert proc.returncode == 2 and proc.stderr == f"error: {message}\n", proc.stderr
 
 
+def test_train_spawns_own_argument_is_one_line(char_data, tmp_path, script):
+    for nproc, message in (("0", "--nproc must be a positive integer, got 0"),
+                           ("two", "argument --nproc: invalid int value: 'two' (see train_spawn.py --help)")):
+        proc = script("train_spawn.py", f"--nproc={nproc}", *tiny_args(char_data, tmp_path / "out"))
+        assert proc.returncode == 2 and proc.stderr == f"error: {message}\n", proc.stderr
+
+
 def test_train_spawn_exits_1_when_a_rank_is_killed_by_a_signal(char_data, tmp_path, script, monkeypatch):
     # sys.exit(-9) would end the launcher with status 247
     import torch.multiprocessing as mp
