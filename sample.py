@@ -103,6 +103,8 @@ def main(argv=None):
         raise ConfigError(f"{e}{default}") from None
     print(f"# {path} (step {step}), seed {args.seed}", file=sys.stderr)
 
+    if hasattr(sys.stdout, "reconfigure"):  # a character the terminal's encoding lacks: \x.. escapes, not a traceback
+        sys.stdout.reconfigure(errors="backslashreplace")
     generator = torch.Generator(device).manual_seed(args.seed)
     for n in batches(args.num_samples, len(prompt) + args.max_new_tokens, model.config, device):
         idx = torch.tensor([prompt] * n, dtype=torch.long, device=device)  # (n, T)

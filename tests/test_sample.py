@@ -155,3 +155,20 @@ def test_a_prompt_from_a_pipe_and_a_default_prompt_the_vocabulary_lacks(trained,
     proc = sample(f"--out_dir={trained}")
     assert proc.returncode == 2 and proc.stderr.endswith(
         "(the default --start, a newline: give --start=TEXT)\n"), proc.stderr
+
+
+def test_text_the_terminal_cannot_encode_is_escaped_not_a_traceback(trained, sample, monkeypatch):
+    """PYTHONIOENCODING=ascii (or a C locale) and a sample with a character outside it: sample.py
+    printed a UnicodeEncodeError's traceback after generating; now the character is written \\x.. escaped."""
+    import io
+
+    import data.tokenizers
+    real = data.tokenizers.tokenizer_from_meta
+    monkeypatch.setattr(data.tokenizers, "tokenizer_from_meta",
+                        lambda meta: (real(meta)[0], lambda ids: "caf\u00e9 " + real(meta)[1](ids)))
+    ascii_out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr("sys.stdout", ascii_out)
+    proc = sample(f"--out_dir={trained}", "--start=the", "--num_samples=1", "--max_new_tokens=5")
+    ascii_out.flush()
+    assert proc.returncode == 0, proc.stderr
+    assert ascii_out.buffer.getvalue().startswith(b"caf\\xe9 the")
