@@ -159,11 +159,12 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
             f"but the dataset now has {model_args['vocab_size']} (its meta.json): resume with the "
             f"data it was trained on (dataset={ckpt['config'].get('dataset')!r}, "
             f"data_dir={ckpt['config'].get('data_dir')!r}) or start afresh with --resume=never")
-    if meta is not None and not same_vocabulary(path.parent / "meta.json", meta):
+    vocab = ckpt.get("vocab")  # (older files hold none: vocab_size is all there is to check)
+    if meta is not None and isinstance(vocab, dict) and any(vocab[k] != meta.get(k) for k in vocab):
         raise ConfigError(
-            f"{path} was trained on another vocabulary than the dataset's ({path.parent / 'meta.json'} holds its "
-            f"own; same size, other tokens): resume with the data it was trained on "
-            f"(data_dir={ckpt['config'].get('data_dir')!r}) or start afresh with --resume=never")
+            f"{path} was trained on another vocabulary than the dataset's (same size, other tokens): resume with "
+            f"the data it was trained on (data_dir={ckpt['config'].get('data_dir')!r}) or start afresh with "
+            f"--resume=never")
     saved = {**dataclasses.asdict(GPTConfig()), **ckpt["model_args"]}  # older files lack newer fields
     diff = {k: (saved.get(k), v) for k, v in model_args.items() if k != "dropout" and saved.get(k) != v}
     if diff:
@@ -177,16 +178,6 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
         raise ConfigError(f"{path}: {problem}: it was not written by this train.py as it is (edited by hand?)")
     ckpt["path"] = str(path)
     return ckpt
-
-
-def same_vocabulary(saved_meta: Path, meta: dict) -> bool:
-    """Whether the meta.json a run wrote beside its checkpoints (if it can be read) names the
-    tokens `meta` does: a character vocabulary of the same size may map ids to other characters."""
-    try:
-        saved = json.loads(saved_meta.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # none there (copied elsewhere): vocab_size is all there is to check
-        return True
-    return not isinstance(saved, dict) or all(saved[k] == meta.get(k) for k in ("tokenizer", "chars") if k in saved)
 
 
 def malformed(ckpt: dict, model_args: dict, cfg: Config):
@@ -317,12 +308,15 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
                 raise ValueError(f"its model_args describe {config.n_params:,} parameters, its weights hold {held:,}")
             model = GPT(config)
             model.load_state_dict(ckpt["model"])
-            return model, ckpt["step"], path
+            vocab = ckpt.get("vocab", {})  # (older files hold none)
+            if not (isinstance(vocab, dict) and all(isinstance(v, str) for v in vocab.values())):
+                raise ValueError(f"its vocab {vocab!r} is not a tokenizer's name and characters")
+            return model, ckpt["step"], path, vocab
         except Exception as e:  # plain data, but not a checkpoint of this repo's GPT (nanoGPT's has no step)
             raise UnreadableCheckpoint(f"{path} is not a GPT checkpoint of this repo "
                                        f"({type(e).__name__}: {first_line(e)})") from None
 
-    model, step, path = read_first(paths, build)
+    model, step, path, vocab = read_first(paths, build)
     from data.dataset import load_meta
     meta_path = out_dir / "meta.json"
     if not meta_path.is_file():
@@ -332,6 +326,7 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
         meta = load_meta(out_dir, fix="copy the dataset's meta.json there (train.py copied it from the dataset)")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    meta.update(vocab)  # the checkpoint's own: any later run into out_dir rewrites meta.json
     if meta["vocab_size"] != model.config.vocab_size:
         raise ConfigError(f"{meta_path} has a vocabulary of {meta['vocab_size']} tokens but {path} was "
                           f"trained with {model.config.vocab_size}: they come from different runs")

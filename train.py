@@ -105,6 +105,7 @@ class Run:
     eval_sets: dict           # split -> (tokens, fixed window starts)
     hellaswag: Optional[list] # HellaSwag's examples, rendered (None when hellaswag_interval is 0)
     model_args: dict
+    vocab: dict               # what the ids mean: meta.json's tokenizer (and chars), kept in every checkpoint
     autocast: object          # torch.autocast for bfloat16/float16, a null context for float32
     step: int = 0  # loop state from here on
     best_val_loss: float = math.inf
@@ -117,10 +118,10 @@ class Run:
     def state_dict(self, tensors: bool = True) -> dict:
         """The file format's checkpoint, or (tensors=False) the plain values a sharded one keeps in
         run.json. Every rank calls it: RNG states are gathered from all ranks, FSDP's shards to rank 0."""
-        state = dict(format=checkpoint.FORMAT, scaler=self.scaler.state_dict(), step=self.step,
-                     tokens_seen=self.step * self.cfg.tokens_per_step, val_loss=self.val_loss,
-                     best_val_loss=self.best_val_loss, hellaswag_step=self.hellaswag_step, config=self.cfg.to_dict(),
-                     model_args=self.model_args, loader=self.loader.state_dict(), world_size=self.world.size)
+        state = dict(format=checkpoint.FORMAT, scaler=self.scaler.state_dict(), step=self.step, val_loss=self.val_loss,
+                     tokens_seen=self.step * self.cfg.tokens_per_step, best_val_loss=self.best_val_loss,
+                     hellaswag_step=self.hellaswag_step, config=self.cfg.to_dict(), model_args=self.model_args,
+                     vocab=self.vocab, loader=self.loader.state_dict(), world_size=self.world.size)
         if tensors:
             state["rng"] = gather_rng_states(self.world)
             state["model"], state["optimizer"] = parallel.full_state(self.raw_model, self.optimizer)
@@ -219,6 +220,7 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
     n_eval = cfg.eval_iters * cfg.global_batch_size  # not per rank: the same windows for any launch
     run = Run(cfg=cfg, world=world, raw_model=raw_model, model=raw_model, optimizer=optimizer,
               scaler=parallel.make_scaler(world), model_args=model_args,
+              vocab={k: meta[k] for k in ("tokenizer", "chars") if k in meta},
               loader=ShardedTokenLoader(splits["train"], cfg.block_size, cfg.batch_size, cfg.global_batch_size,
                                         world.rank, world.size, cfg.seed, world.device),
               eval_sets={split: (tokens, eval_starts(tokens, cfg.block_size, n_eval))

@@ -22,7 +22,7 @@ import torch
 import checkpoint
 import world
 import train
-from config import Config
+from config import Config, resolve
 from harness import REPO, child_env, free_port, python, run_ranks, tiny_args, train_py
 
 
@@ -260,13 +260,22 @@ def test_a_dataset_with_another_vocabulary_than_the_checkpoint_is_refused(copies
     assert "--resume=never" in err
     assert snapshot(tmp_path) == before
     # the same number of characters, other ones: it once resumed, and sample.py decoded with them
-    rewrite_meta(data, chars=json.loads((data / "meta.json").read_text())["chars"][::-1])
+    chars = json.loads((data / "meta.json").read_text())["chars"]
+    rewrite_meta(data, chars=chars[::-1])
     before = snapshot(tmp_path)
     code, err = run_cli(tiny_args(data, out, resume="auto"), monkeypatch, capsys)
     assert code == 2 and err == (f"error: {out / 'last.pt'} was trained on another vocabulary than the dataset's "
-                                 f"({out / 'meta.json'} holds its own; same size, other tokens): resume with the data "
-                                 f"it was trained on (data_dir={str(char_data)!r}) or start afresh with --resume=never\n")
+                                 f"(same size, other tokens): resume with the data it was trained on "
+                                 f"(data_dir={str(char_data)!r}) or start afresh with --resume=never\n")
     assert snapshot(tmp_path) == before
+    # out_dir's meta.json rewritten by a later run into it that saved nothing: the checkpoint's own vocabulary
+    # decides (the meta.json was compared once: the other characters resumed, and the right ones were refused)
+    shutil.copy(data / "meta.json", out / "meta.json")
+    rewrite_meta(data, chars=chars)
+    saved = checkpoint.read(out / "last.pt")
+    assert checkpoint.load(out / "last.pt", saved["model_args"], resolve(tiny_args(data, out)),
+                           json.loads((data / "meta.json").read_text()))["step"] == saved["step"]
+    assert checkpoint.load_model(out, torch.device("cpu"))[1]["chars"] == chars  # sample.py's, eval.py's
 
 
 def launch_two_ranks(args, timeout=60):
