@@ -74,10 +74,12 @@ def say(line: str):
     which it prints each distinct line once (every rank raises the same agreed message)."""
     if os.environ.get("ERRORS_TO"):  # whole, or not there (the launcher ends the other ranks)
         from data.files import atomic_write_bytes
-        atomic_write_bytes(os.path.join(os.environ["ERRORS_TO"], os.environ.get("RANK", "0")),
-                           line.encode("utf-8", "backslashreplace"))  # as stderr would write it
-    else:
-        print(line, file=sys.stderr, flush=True)
+        try:
+            return atomic_write_bytes(os.path.join(os.environ["ERRORS_TO"], os.environ.get("RANK", "0")),
+                                      line.encode("utf-8", "backslashreplace"))  # as stderr would write it
+        except OSError:  # (a full /tmp) the line itself still goes out
+            pass
+    print(line, file=sys.stderr, flush=True)
 
 
 class GlobalBatchIndivisible(ConfigError):

@@ -300,3 +300,16 @@ def test_float16_overflow_is_skipped_by_the_scaler_and_the_run_goes_on(char_data
     assert evals[-1] < evals[0] - 0.2
     weights = torch.load(tmp_path / "last.pt", weights_only=True)["model"].values()
     assert all(torch.isfinite(w).all() for w in weights)
+
+
+def test_an_error_line_a_launcher_cannot_collect_goes_to_stderr(tmp_path, monkeypatch, capsys):
+    """train_spawn.py's ranks write their line into ERRORS_TO; where that fails (a full /tmp), the line was
+    lost to an OSError's traceback; it goes to stderr instead."""
+    from errors import say
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("ERRORS_TO", str(tmp_path / "file"))  # not a folder: every write there fails
+    say("error: the real reason")
+    assert capsys.readouterr().err == "error: the real reason\n"
+    monkeypatch.setenv("ERRORS_TO", str(tmp_path))
+    say("error: collected")
+    assert capsys.readouterr().err == "" and (tmp_path / "0").read_text() == "error: collected"
