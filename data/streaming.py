@@ -6,11 +6,10 @@ them with GPT-2's BPE (tiktoken's encode_ordinary), each document prefixed by th
 token 50256 as llm.c does, and the tokens are cut into shards of `shard_tokens` in llm.c's
 format (data/dataset.py). A document may continue from one shard into the next.
 
-Memory: one shard buffer per split and a few chunks of documents in flight, whatever the
-corpus size. Interruption: a shard is written under a temporary name and renamed when
-complete, and .progress.json (rewritten after every shard) records where the next shard of
-each split starts in the document stream. A rerun with the same options continues from
-there and writes byte-identical shards; meta.json is written last.
+Memory: one shard buffer per split and a few chunks of documents in flight, whatever the corpus size.
+Interruption: a shard is written under a temporary name and renamed when complete, and .progress.json
+(rewritten after every shard) records where the next shard of each split starts in the document
+stream. A rerun with the same options continues from there and writes byte-identical shards; meta.json last.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import argparse
 import glob
 import json
 import multiprocessing as mp
+import signal
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
@@ -157,6 +157,7 @@ _encoder = None  # the worker's tiktoken Encoding, or the exception loading it r
 
 def _start_worker():
     global _encoder
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's, which ends the pool
     try:
         _encoder = gpt2_encoding(verbose=False)
     except Exception as e:  # noqa: BLE001  an initializer that raises is restarted by the Pool forever
@@ -205,9 +206,8 @@ class ShardStream:
             self._write(end_doc, 0, on_shard)
 
     def _write(self, doc: int, used: int, on_shard):
-        number = len(self.shards)
-        split = self.split_of_shard(number)
-        name = f"{self.prefix}_{split}_{number:06d}.bin"
+        split = self.split_of_shard(len(self.shards))
+        name = f"{self.prefix}_{split}_{len(self.shards):06d}.bin"
         sha = write_shard(self.out_dir / name, self.buffer[:self.filled])
         self.shards.append({"file": name, "split": split, "tokens": self.filled, "sha256": sha})
         self.resume, self.filled = (doc, used), 0
@@ -253,8 +253,9 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
     """Tokenize every document of `source` into shards; return the meta.json written. route(doc)
     names a document's stream, split_of_shard[stream](n) the split of its n-th shard. `settings`
     (whatever decides the output) must match to resume. `counts`: documents per file, if known."""
-    if not 1 <= shard_tokens < 2**31 or workers < 1:  # a shard's header counts its tokens in an int32
-        raise ValueError(f"--shard_tokens ({shard_tokens}) must be 1 to 2**31 - 1, --workers ({workers}) positive")
+    if not 1 <= shard_tokens < 2**31 or not 1 <= workers <= 4 * mp.cpu_count():  # a header's count is an int32
+        raise ValueError(f"--shard_tokens ({shard_tokens}) must be 1 to 2**31 - 1, --workers ({workers}) 1 to 4 x "
+                         f"this host's {mp.cpu_count()} cores")
     gpt2_encoding(verbose=False)  # a bad vocabulary file is one line here, not in every worker
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -296,14 +297,13 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
 
     # Two blocks in flight at most, so memory stays bounded (Pool.imap would read all ahead).
     with mp.get_context("spawn").Pool(workers, initializer=_start_worker) as pool:
-        pending, docs = None, documents()
+        pending, docs = [], documents()
         for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
-            submitted = pool.map_async(_encode, block, chunksize=16)
-            if pending is not None:
-                take(pending.get())
-            pending = submitted
-        if pending is not None:
-            take(pending.get())
+            pending.append(pool.map_async(_encode, block, chunksize=16))
+            if len(pending) == 2:
+                take(pending.pop(0).get())
+        for result in pending:
+            take(result.get())
     bar.close()
     return _finish(source, out_dir, streams, counts, settings, shard_tokens, on_shard)
 

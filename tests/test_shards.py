@@ -260,8 +260,23 @@ def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script,
     if "short" in message:  # a shard past what its header can count: refused before a buffer is made
         proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--shard_tokens=3000000000")
         assert proc.returncode == 2 and "must be 1 to 2**31 - 1" in proc.stderr, proc.stderr
-        proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--workers=0")
-        assert proc.returncode == 2 and "--workers (0) positive" in proc.stderr, proc.stderr  # not all the cores
+        for workers in (0, 100_000):  # not all the cores; not processes started one by one for minutes
+            proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", f"--workers={workers}")
+            assert proc.returncode == 2 and f"--workers ({workers}) 1 to 4 x this host's" in proc.stderr, proc.stderr
+
+
+def test_a_tokenizing_worker_leaves_ctrl_c_to_the_main_process(monkeypatch):
+    # each worker once printed a KeyboardInterrupt traceback, and the main process could hang on the dead pool
+    import signal
+
+    from data import streaming
+    monkeypatch.setattr(streaming, "gpt2_encoding", lambda verbose: None)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        streaming._start_worker()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.parametrize("name, text", [("meta.json", "[]"), (".progress.json", "[]"),
