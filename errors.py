@@ -103,7 +103,7 @@ class OutDirBusy(ConfigError):
         try:
             h = json.loads(holder)
             who = f"the run started {h['started']} as pid {h['pid']} on {h['host']}"
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             who = "another run"
         super().__init__(f"out_dir {out_dir} is in use by {who} (it holds {out_dir}/run.lock): wait for "
                          f"it to end, stop it, or give this run another --out_dir")

@@ -141,7 +141,7 @@ def read_shape(folder: Path) -> dict:
     where = folder / "config.json"
     try:
         hf = json.loads(where.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # (RecursionError: nested past what the parser takes)
         raise ConfigError(f"{where} cannot be read: {first_line(e)}") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{where} holds a JSON {type(hf).__name__}, not GPT-2's settings (an object)")

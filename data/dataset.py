@@ -214,7 +214,7 @@ def load_meta(data_dir, fix: str = "") -> dict:
                                 f"(python data/{Path(data_dir).name}/prepare.py)")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # (not UTF-8; nested past what the parser takes)
         raise ValueError(f"{path} is not valid JSON ({e}): {again}") from None
     if not isinstance(meta, dict) or meta.get("format") != DATASET_FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__

@@ -61,7 +61,7 @@ def read_documents(path: Path) -> Iterator[str]:
                     continue
                 try:
                     record = json.loads(line.decode("utf-8"))
-                except ValueError as e:  # UnicodeDecodeError too
+                except (ValueError, RecursionError) as e:  # not UTF-8, nested too deep
                     raise ValueError(f"{path}, line {line_number}: not a line of UTF-8 JSON ({e}): each line "
                                      f"must be a JSON object with the document in 'text'") from None
                 if not isinstance(record, dict) or not isinstance(record.get("text"), str):
@@ -226,7 +226,7 @@ def read_progress(out_dir, settings: dict = None) -> dict:
             len(s["resume"]) == 2 and all(type(v) is int for v in s["resume"]) and all(
                 type(sh["file"]) is str and type(sh["tokens"]) is int and sh["split"] in ("train", "val")
                 and "sha256" in sh for sh in s["shards"]) for s in progress["streams"].values())
-    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not of the shape written here
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # not JSON, not the shape written
         ok = False
     if not ok:
         raise ValueError(f"{path} is damaged (it is not what a prepare writes there): remove {out_dir} and "

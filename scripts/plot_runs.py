@@ -51,7 +51,7 @@ def read_run(out_dir: Path) -> dict:
             run = json.loads(config.read_text())["run"]
             numbers = {k: v for k, v in run.items() if type(v) is int and v > 0}  # an edit's {"a": 1} is not one
             world, tokens_per_step = numbers.get("world_size"), numbers.get("tokens_per_step") or tokens_per_step
-        except (ValueError, TypeError, KeyError, AttributeError):  # not train.py's: the label goes without
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):  # not train.py's: no label
             pass
     return dict(train=sorted(train.items()), val=sorted(val.items()), hellaswag=sorted(hellaswag.items()),
                 tokens_per_step=tokens_per_step, world=world)

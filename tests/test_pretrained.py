@@ -164,6 +164,9 @@ def test_config_json_of_another_architecture_or_size_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"a model of [\d,]+ weights, but .*model\.safetensors holds [\d,]+ bytes"):
         pretrained.load_gpt(str(tmp_path))
     # a hand-edited config.json: one line each, not a traceback or a silent int() of 2.5 or true
+    (tmp_path / "config.json").write_text("[" * 100_000)  # nested past what the parser takes: a traceback once
+    with pytest.raises(ConfigError, match="cannot be read: maximum recursion depth exceeded"):
+        pretrained.read_shape(tmp_path)
     for change, message in (([1, 2], "holds a JSON list, not GPT-2's settings"),
                             ({"n_head": 0}, "holds n_head=0: GPT-2's config.json gives"),
                             ({"n_positions": -5}, "holds n_positions=-5"), ({"vocab_size": 2.5}, "vocab_size=2.5"),

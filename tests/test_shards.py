@@ -238,6 +238,7 @@ def test_epochs_over_shards_never_repeat_a_window_and_resume_on_the_boundary(cha
     (lambda d: (d / "c.jsonl").write_text('{"body": "no text here"}\n'), "c.jsonl, line 1: no 'text' field"),
     (lambda d: (d / "c.jsonl").write_text('{"text": "a"}\n{"text": "b\n'), "c.jsonl, line 2: not a line of UTF-8 JSON"),
     (lambda d: (d / "c.jsonl").write_bytes(b'{"text": "caf\xe9"}\n'), "c.jsonl, line 1: not a line of UTF-8 JSON"),
+    (lambda d: (d / "c.jsonl").write_text("[" * 100_000), "c.jsonl, line 1: not a line of UTF-8 JSON"),
     (lambda d: (d / "c.txt").write_bytes(b"caf\xe9 au lait"),
      "c.txt is not UTF-8 text (invalid continuation byte at byte 3)"),
     (lambda d: pq.write_table(pa.table({"content": ["x"]}), d / "c.parquet"), "c.parquet has no 'text' column"),
@@ -281,7 +282,9 @@ def test_a_tokenizing_worker_leaves_ctrl_c_to_the_main_process(monkeypatch):
 
 @pytest.mark.parametrize("name, text", [("meta.json", "[]"), (".progress.json", "[]"),
                                         (".progress.json", '{"settings": {}, "counts": [], "streams": {"s": {}}}'),
-                                        (".progress.json", "")])
+                                        (".progress.json", ""),  # and nested past what the parser takes:
+                                        pytest.param("meta.json", "[" * 100_000, id="meta.json-nested"),
+                                        pytest.param(".progress.json", "[" * 100_000, id="progress-nested")])
 def test_a_damaged_meta_or_progress_file_is_one_line_naming_it(corpus, tmp_path, script, name, text):
     folder, _ = corpus
     out = tmp_path / "out"
