@@ -306,6 +306,8 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
             held = sum(v.numel() for k, v in ckpt["model"].items() if k != "lm_head.weight")  # (wte's, tied)
             if config.n_params != held:  # before building it: an edited shape could ask for terabytes
                 raise ValueError(f"its model_args describe {config.n_params:,} parameters, its weights hold {held:,}")
+            if not all(torch.isfinite(w).all() for w in ckpt["model"].values()):  # a sharded one has no checksums
+                raise ValueError("its weights hold NaN or inf")
             model = GPT(config)
             model.load_state_dict(ckpt["model"])
             vocab = ckpt.get("vocab", {})  # (older files hold none)

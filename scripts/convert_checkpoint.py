@@ -19,7 +19,8 @@ import torch  # noqa: E402
 
 import checkpoint  # noqa: E402
 from data.files import atomic_write  # noqa: E402
-from errors import ArgumentParser, ConfigError, reported  # noqa: E402
+from config import FIELD_TYPES, Config  # noqa: E402
+from errors import ArgumentParser, ConfigError, first_line, reported  # noqa: E402
 
 
 def main(argv=None):
@@ -34,6 +35,15 @@ def main(argv=None):
     state = checkpoint.read(args.source)
     if missing := [k for k in checkpoint.REQUIRED if k not in state]:
         raise ConfigError(f"{args.source} lacks {missing}: it was not written by this train.py")
+    try:  # what a resume checks of it (DCP keeps no checksums: a damaged shard reads as any numbers)
+        cfg = Config(**{k: v for k, v in state["config"].items() if k in FIELD_TYPES})
+        moments = [t for s in state["optimizer"]["state"].values() for t in s.values()]
+        problem = checkpoint.malformed(state, state["model_args"], cfg) or (None if all(
+            torch.isfinite(t).all() for t in [*state["model"].values(), *moments]) else "its weights or moments hold NaN")
+    except Exception as e:  # noqa: BLE001  model_args or a config no GPT of this repo has (a hand edit)
+        problem = f"{type(e).__name__}: {first_line(e)}"
+    if problem:
+        raise ConfigError(f"{args.source}: {problem}: nothing converted")
     try:
         atomic_write(args.dest, lambda f: torch.save(state, f))
     except OSError as e:

@@ -99,6 +99,10 @@ def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, m
     (lambda out: torch.save({**(c := torch.load(out / "last.pt", weights_only=True)),  # 12 TB, were it built
                              "model_args": {**c["model_args"], "n_embd": 2**20}}, out / "best.pt")
      or (out / "last.pt").unlink(), "best.pt is not a GPT checkpoint of this repo (ValueError: its model_args"),
+    (lambda out: torch.save({**(c := torch.load(out / "last.pt", weights_only=True)),  # a damaged .distcp's, converted
+                             "model": {**c["model"], "transformer.ln_f.weight": c["model"]["transformer.ln_f.weight"]
+                                       * float("nan")}}, out / "best.pt") or (out / "last.pt").unlink(),
+     "best.pt is not a GPT checkpoint of this repo (ValueError: its weights hold NaN or inf)"),  # (a traceback once)
 ])
 def test_a_broken_out_dir_is_a_clear_error(trained_copy, tmp_path, sample, damage, message):
     out = trained_copy

@@ -158,12 +158,30 @@ def test_a_hand_edited_run_json_is_one_line(char_data, sharded, tmp_path, script
         assert ran.returncode == 0 and f"# {out / 'previous.dcp'} (step 8)" in ran.stderr, ran.stderr
 
 
-def test_the_converter_checks_a_folder_before_writing(sharded, tmp_path, script):
+def test_the_converter_checks_a_folder_before_writing(sharded, tmp_path, script, monkeypatch):
     out = Path(shutil.copytree(sharded, tmp_path / "out"))
     run_json = out / "last.dcp" / "run.json"
     run_json.write_text(json.dumps({k: v for k, v in json.loads(run_json.read_text()).items() if k != "step"}))
     ran = script("scripts/convert_checkpoint.py", out / "last.dcp", tmp_path / "x.pt")
     assert ran.returncode == 2 and "lacks ['step']: it was not written by this train.py" in ran.stderr, ran.stderr
+    assert not (tmp_path / "x.pt").exists()
+    # values a resume refuses (a hand edit) were converted, "written by {'a': 1} processes"
+    run_json.write_text(json.dumps({**json.loads(run_json.read_text()), "step": [1, 1, 1], "world_size": {"a": 1}}))
+    ran = script("scripts/convert_checkpoint.py", out / "last.dcp", tmp_path / "x.pt")
+    assert ran.returncode == 2 and ran.stderr == (f"error: {out / 'last.dcp'}: step [1, 1, 1] or world_size {{'a': 1}} "
+                                                  f"is not a whole number: nothing converted\n"), ran.stderr
+    # DCP keeps no checksums: a damaged shard reads as any bytes, a NaN moment among them
+    import checkpoint
+    real = checkpoint.read
+
+    def damaged(path, tensors=True):
+        state = real(path, tensors)
+        next(iter(state["optimizer"]["state"].values()))["exp_avg"].view(-1)[0] = float("nan")
+        return state
+    monkeypatch.setattr(checkpoint, "read", damaged)
+    ran = script("scripts/convert_checkpoint.py", out / "previous.dcp", tmp_path / "x.pt")
+    assert ran.returncode == 2 and ran.stderr == (f"error: {out / 'previous.dcp'}: its weights or moments hold NaN: "
+                                                  f"nothing converted\n"), ran.stderr
     assert not (tmp_path / "x.pt").exists()
 
 
