@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import any_rank, process_group
-from config import CHOICES, resolve
+from config import CHOICES, Config, resolve
 from data.dataset import GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
 from errors import ConfigError, RunError, reported
 from loader import Dataset
@@ -261,10 +261,11 @@ def parse_list(name: str, text: str, parse, allowed=None, minimum: int = 1, one:
 
 def main(argv=None):
     args = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in args or "--help" in args:  # this tool's usage, then train.py's settings
+        return print(f"{__doc__}\n{Config.defaults()}")
     opts = {"nproc": "1,2", "strategies": "ddp", "steps": "10", "warmup": "3", "report": "out-bench",
             "result": "", "synthetic_dir": ""}
-    flags = {"--worker": False, "--profile": False}
-    cfg_args = []
+    flags, cfg_args = {"--worker": False, "--profile": False}, []
     for arg in args:
         name, eq, value = arg[2:].partition("=")
         if arg in flags:

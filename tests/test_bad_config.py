@@ -482,6 +482,9 @@ def test_help_lists_every_config_name_with_its_default(capsys):
         assert f"--{name}={value if isinstance(value, str) else repr(value)}\n" in printed
     train_spawn.main(["--help"])  # its own usage first (it once took --help for a bad override)
     assert capsys.readouterr().out == f"{train_spawn.__doc__}\n{printed}"
+    import bench
+    bench.main(["--help"])  # so did bench.py
+    assert capsys.readouterr().out == f"{bench.__doc__}\n{Config.defaults()}\n"
 
 
 @pytest.mark.parametrize("addr, port", [("127.0.0.1", "abc"), ("127.0.0.1", "99999"), ("127.0.0.1", None),
