@@ -33,7 +33,10 @@ def read_run(out_dir: Path) -> dict:
         raise ConfigError(f"{path} does not exist: give the out_dir of a training run")
     train, val, hellaswag, tokens_per_step = {}, {}, {}, None
     for row in read_metrics(path, "skipped"):
-        row = {k: v for k, v in row.items() if type(v) in (int, float)}  # an edit's "high" is not plotted
+        # an edit's "high", or 1e308 (matplotlib cannot lay an axis out to it), is not plotted
+        row = {k: v for k, v in row.items() if type(v) in (int, float) and abs(v) < 1e15}
+        if "step" not in row:
+            continue
         if row["step"] and row.get("tokens_seen"):
             tokens_per_step = row["tokens_seen"] / row["step"]
         if "loss" in row:

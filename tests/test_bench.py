@@ -130,6 +130,12 @@ def test_plot_runs_tells_same_named_folders_apart_and_skips_unreadable_lines(tmp
         f"warning: skipped 4 unreadable lines of {tmp_path}/exp1/out/metrics.jsonl (a write cut short)",
         f"warning: skipped 1 unreadable line of {tmp_path}/exp2/out/metrics.jsonl (a write cut short)",
         f"2 runs -> {tmp_path / 'runs.png'}"], proc.stdout + proc.stderr
+    # values no axis can be laid out to (an edit): a matplotlib traceback once; left out like the others
+    (tmp_path / "huge").mkdir()
+    (tmp_path / "huge" / "metrics.jsonl").write_text(good + '{"step": 1, "loss": 1e308, "tokens_seen": 1e308}\n'
+                                                     '{"step": 1e300, "loss": 2.0}\n')
+    proc = script("scripts/plot_runs.py", tmp_path / "huge", f"--out={tmp_path / 'huge.png'}")
+    assert proc.returncode == 0 and proc.stdout == f"1 run -> {tmp_path / 'huge.png'}\n", proc.stdout + proc.stderr
 
 
 def test_plot_runs_bad_input_is_one_line(tmp_path, script):
