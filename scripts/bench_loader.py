@@ -86,6 +86,12 @@ def main():
         raise ConfigError(f"--sizes={args.sizes}: give sizes in bytes, e.g. --sizes=4e6,4e8") from None
     if args.block_size < 1 or args.batch_size < 1:
         raise ConfigError("--block_size and --batch_size must be positive")
+    import torch
+    from world import available_memory
+    need = 40 * args.batch_size * (args.block_size + 1)  # a batch's int64 tokens, x and y; the window order
+    if need > available_memory(torch.device("cpu")):  # (it once grew for minutes, then ran out)
+        raise ConfigError(f"--batch_size={args.batch_size:,} needs {need / 1e9:,.1f} GB a batch, more than this host "
+                          f"has available")
     smallest = 2 * 20 * 2 * args.block_size  # uint16: each of 20 shards holds a window at any offset (loader.py)
     if max(sizes) > 10**12:  # sparse files, but past a terabyte the file system or the window index gives out
         raise ConfigError(f"--sizes: {max(sizes):,} bytes is more than this benchmark makes (at most 1e12)")

@@ -255,7 +255,8 @@ BAD_INPUT = {  # entry point -> {class of bad input: (arguments, exit status)}; 
     "scripts/plot_runs.py": {"path": (["/nonexistent"], 2), "disk": (["{run}", "--out={full}/runs.png"], 2)},
     "scripts/memory_guide.py": {"size": (["--world=0"], 2)},
     "scripts/bench_loader.py": {"size": (["--sizes=lots"], 2), "inf": (["--sizes=inf"], 2), "huge": (["--sizes=1e30"], 2),
-                                "tiny": (["--sizes=100", "--block_size=16"], 2)},  # no window fits a shard
+                                "tiny": (["--sizes=100", "--block_size=16"], 2),  # no window fits a shard
+                                "batch": (["--batch_size=100000000000"], 2)},  # more than memory holds
 }
 CASES = [(entry, kind) for entry, kinds in BAD_INPUT.items() for kind in kinds]
 
