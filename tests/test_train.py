@@ -54,6 +54,8 @@ def test_the_gradient_norm_is_within_float32_rounding():
     assert abs(norm - exact) / exact < 1e-6  # torch's norm was 2.3e-5 off here
     clipped = torch.stack([p.grad.double().norm() for p in model.parameters()]).norm().item()
     assert abs(clipped - 0.01) < 1e-7
+    model.zero_grad(set_to_none=True)  # no gradients (bench.py's FSDP step without sync): 0, as torch's gives
+    assert parallel.clip_grad_norm(model, max_norm=0.01).item() == 0
 
 
 def test_resume_auto_starts_fresh_then_resumes_with_this_runs_adamw_settings(char_data, tmp_path):
