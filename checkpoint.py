@@ -159,7 +159,7 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
             f"but the dataset now has {model_args['vocab_size']} (its meta.json): resume with the "
             f"data it was trained on (dataset={ckpt['config'].get('dataset')!r}, "
             f"data_dir={ckpt['config'].get('data_dir')!r}) or start afresh with --resume=never")
-    vocab = ckpt.get("vocab")  # (older files hold none: vocab_size is all there is to check)
+    vocab = ckpt["vocab"] if "vocab" in ckpt else saved_vocabulary(path.parent / "meta.json")  # older files: beside
     if meta is not None and isinstance(vocab, dict) and any(vocab[k] != meta.get(k) for k in vocab):
         raise ConfigError(
             f"{path} was trained on another vocabulary than the dataset's (same size, other tokens): resume with "
@@ -178,6 +178,16 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
         raise ConfigError(f"{path}: {problem}: it was not written by this train.py as it is (edited by hand?)")
     ckpt["path"] = str(path)
     return ckpt
+
+
+def saved_vocabulary(meta_path: Path):
+    """For a checkpoint written before checkpoints kept their vocabulary: that of the meta.json the run wrote
+    beside it (which a later run into the same out_dir rewrites), or None."""
+    try:
+        saved = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):  # none there (copied elsewhere): vocab_size is all there is
+        return None
+    return {k: saved[k] for k in ("tokenizer", "chars") if k in saved} if isinstance(saved, dict) else None
 
 
 def malformed(ckpt: dict, model_args: dict, cfg: Config):
@@ -311,7 +321,8 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
             model = GPT(config)
             model.load_state_dict(ckpt["model"])
             vocab = ckpt.get("vocab", {})  # (older files hold none)
-            if not (isinstance(vocab, dict) and all(isinstance(v, str) for v in vocab.values())):
+            if not (isinstance(vocab, dict) and all(isinstance(v, str) for v in vocab.values())
+                    and len(vocab.get("chars", "x" * config.vocab_size)) == config.vocab_size):
                 raise ValueError(f"its vocab {vocab!r} is not a tokenizer's name and characters")
             return model, ckpt["step"], path, vocab
         except Exception as e:  # plain data, but not a checkpoint of this repo's GPT (nanoGPT's has no step)
@@ -328,7 +339,8 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
         meta = load_meta(out_dir, fix="copy the dataset's meta.json there (train.py copied it from the dataset)")
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    meta.update(vocab)  # the checkpoint's own: any later run into out_dir rewrites meta.json
+    if vocab:  # the checkpoint's own: any later run into out_dir rewrites meta.json
+        meta.update(vocab, vocab_size=model.config.vocab_size)
     if meta["vocab_size"] != model.config.vocab_size:
         raise ConfigError(f"{meta_path} has a vocabulary of {meta['vocab_size']} tokens but {path} was "
                           f"trained with {model.config.vocab_size}: they come from different runs")

@@ -88,7 +88,7 @@ def main():
         raise ConfigError("--block_size and --batch_size must be positive")
     import torch
     from world import available_memory
-    need = 40 * args.batch_size * (args.block_size + 1)  # a batch's int64 tokens, x and y; the window order
+    need = 24 * args.batch_size * (args.block_size + 1) + 16 * args.batch_size  # int64 windows, x, y; the order
     if need > available_memory(torch.device("cpu")):  # (it once grew for minutes, then ran out)
         raise ConfigError(f"--batch_size={args.batch_size:,} needs {need / 1e9:,.1f} GB a batch, more than this host "
                           f"has available")

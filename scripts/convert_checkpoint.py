@@ -37,9 +37,9 @@ def main(argv=None):
         raise ConfigError(f"{args.source} lacks {missing}: it was not written by this train.py")
     try:  # what a resume checks of it (DCP keeps no checksums: a damaged shard reads as any numbers)
         cfg = Config(**{k: v for k, v in state["config"].items() if k in FIELD_TYPES})
-        moments = [t for s in state["optimizer"]["state"].values() for t in s.values()]
-        problem = checkpoint.malformed(state, state["model_args"], cfg) or (None if all(
-            torch.isfinite(t).all() for t in [*state["model"].values(), *moments]) else "its weights or moments hold NaN")
+        tensors = [*state["model"].values(), *(t for s in state["optimizer"]["state"].values() for t in s.values())]
+        problem = checkpoint.malformed(state, state["model_args"], cfg) or (
+            None if all(torch.isfinite(t).all() for t in tensors) else "its weights or moments hold NaN or inf")
     except Exception as e:  # noqa: BLE001  model_args or a config no GPT of this repo has (a hand edit)
         problem = f"{type(e).__name__}: {first_line(e)}"
     if problem:

@@ -180,7 +180,7 @@ def test_the_converter_checks_a_folder_before_writing(sharded, tmp_path, script,
         return state
     monkeypatch.setattr(checkpoint, "read", damaged)
     ran = script("scripts/convert_checkpoint.py", out / "previous.dcp", tmp_path / "x.pt")
-    assert ran.returncode == 2 and ran.stderr == (f"error: {out / 'previous.dcp'}: its weights or moments hold NaN: "
+    assert ran.returncode == 2 and ran.stderr == (f"error: {out / 'previous.dcp'}: its weights or moments hold NaN or inf: "
                                                   f"nothing converted\n"), ran.stderr
     assert not (tmp_path / "x.pt").exists()
 
