@@ -236,13 +236,13 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
     from data.tokenizers import write_gpt2_tokenizer_files
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = model.config
+    cfg, eot = model.config, GPT2_EOT if gpt2_tokenizer else None  # (a character model has no end-of-text id)
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
               "n_positions": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
               "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new",
               "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
               "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
-              "tie_word_embeddings": True, "bos_token_id": GPT2_EOT, "eos_token_id": GPT2_EOT}
+              "tie_word_embeddings": True, "bos_token_id": eot, "eos_token_id": eot}
     from safetensors.torch import save
     with tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as tmp:
         atomic_write_bytes(Path(tmp, "model.safetensors"), save(gpt2_to_hf(model), metadata={"format": "pt"}))

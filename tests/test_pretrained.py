@@ -350,6 +350,7 @@ def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data,
     assert sorted(f.name for f in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     assert hf.config.vocab_size == json.loads((out / "meta.json").read_text())["vocab_size"]
+    assert hf.config.bos_token_id is None and hf.config.eos_token_id is None  # once 50256: generate() indexed past
     # no tokenizer for its characters comes with it: sample.py and eval.py refuse it as text
     for cmd in ("sample.py", "eval.py"):
         fails_with([cmd, f"--init_from={tmp_path / 'hf'}", "--device=cpu"], f"has a vocabulary of {hf.config.vocab_size} "
