@@ -24,7 +24,8 @@ import torch
 from config import Config
 import sharded
 from collectives import on_rank0
-from data.files import disk_full, fsync_dir, link_or_copy, remove_stale_temporaries, tensor_bytes, write_temp
+from data.files import (disk_full, fsync_dir, link_or_copy, read_json, remove_stale_temporaries, tensor_bytes,
+                        write_temp)
 from errors import ConfigError, OutDirBusy, OutDirUnwritable, UnreadableCheckpoint, first_line, load_failure
 from model import GPT, GPTConfig
 
@@ -184,8 +185,8 @@ def saved_vocabulary(meta_path: Path):
     """For a checkpoint written before checkpoints kept their vocabulary: that of the meta.json the run wrote
     beside it (which a later run into the same out_dir rewrites), or None."""
     try:
-        saved = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):  # none there (copied elsewhere): vocab_size is all there is
+        saved = read_json(meta_path)
+    except (OSError, ValueError):  # none there (copied elsewhere): vocab_size is all there is
         return None
     return {k: saved[k] for k in ("tokenizer", "chars") if k in saved} if isinstance(saved, dict) else None
 

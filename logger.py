@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from collectives import agree_or_raise, any_rank, first_error
-from data.files import atomic_write_bytes
+from data.files import atomic_write_bytes, parse_json
 from errors import LogNotWritten, first_line
 
 
@@ -19,10 +19,10 @@ def read_metrics(path: Path, verb: str) -> list:
     rows, torn = [], 0
     for line in path.read_text(errors="replace").splitlines():
         try:
-            row = json.loads(line)
+            row = parse_json(line)
             row["step"] = int(row["step"])
             rows.append(row)
-        except (ValueError, TypeError, KeyError, OverflowError, RecursionError):  # 1e999; [[[[...
+        except (ValueError, TypeError, KeyError, OverflowError):  # 1e999; [[[[...
             torn += 1
     if torn:
         print(f"warning: {verb} {torn} unreadable line{'s' * (torn > 1)} of {path} (a write cut short)", flush=True)

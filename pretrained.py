@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from config import GPT2_NAMES
 from data.dataset import GPT2_EOT, GPT2_VOCAB_SIZE
+from data.files import read_json
 from errors import ConfigError, first_line, load_failure
 from model import GPT, GPTConfig
 
@@ -140,8 +141,8 @@ def read_shape(folder: Path) -> dict:
     """GPTConfig fields from a GPT-2 config.json; an error for variants model.py does not build."""
     where = folder / "config.json"
     try:
-        hf = json.loads(where.read_text())
-    except (OSError, ValueError, RecursionError) as e:  # (RecursionError: nested past what the parser takes)
+        hf = read_json(where)
+    except (OSError, ValueError) as e:
         raise ConfigError(f"{where} cannot be read: {first_line(e)}") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{where} holds a JSON {type(hf).__name__}, not GPT-2's settings (an object)")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.files import atomic_write, preparing, write_temp
+from data.files import atomic_write, preparing, read_json, write_temp
 
 DATASET_FORMAT = 1
 HEADER_INTS = 256  # an llm.c shard header: 256 int32, of which the first three are used
@@ -213,8 +213,8 @@ def load_meta(data_dir, fix: str = "") -> dict:
         raise FileNotFoundError(f"{path} not found: prepare the dataset first "
                                 f"(python data/{Path(data_dir).name}/prepare.py)")
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as e:  # (not UTF-8; nested past what the parser takes)
+        meta = read_json(path)
+    except ValueError as e:  # not UTF-8, not JSON
         raise ValueError(f"{path} is not valid JSON ({e}): {again}") from None
     if not isinstance(meta, dict) or meta.get("format") != DATASET_FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__

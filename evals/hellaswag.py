@@ -17,7 +17,6 @@ batch whatever the world size, so W processes give the numbers one process gives
 """
 
 import hashlib
-import json
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from collectives import agree_or_raise
-from data.files import atomic_write_bytes, cache_dir
+from data.files import atomic_write_bytes, cache_dir, parse_json
 from errors import ConfigError, HellaSwagMissing, first_line
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -74,8 +73,8 @@ def locate(path: str = "") -> Path:
 def parse_line(line: str, where: str) -> tuple:
     """(ctx, endings, label) of one line of the official format, or a ConfigError naming it."""
     try:
-        example = json.loads(line)
-    except (ValueError, RecursionError):  # RecursionError: nested too deep for the parser
+        example = parse_json(line)
+    except ValueError:
         raise ConfigError(f"{where} is not JSON: {line[:60]!r}") from None
     if not isinstance(example, dict):
         raise ConfigError(f"{where} is not a JSON object with ctx, endings and label")

@@ -13,12 +13,12 @@ metrics.jsonl, or with no loss in it, is one line on stderr and exit 2; an unrea
 it (cut short by a kill) is skipped with a warning, as train.py does on a resume.
 """
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data.files import read_json  # noqa: E402
 from errors import ArgumentParser, ConfigError, reported  # noqa: E402
 from logger import read_metrics  # noqa: E402
 
@@ -51,10 +51,10 @@ def read_run(out_dir: Path) -> dict:
     config = out_dir / "config.json"
     if config.is_file():
         try:
-            run = json.loads(config.read_text())["run"]
+            run = read_json(config)["run"]
             numbers = {k: v for k, v in run.items() if type(v) is int and v > 0}  # an edit's {"a": 1} is not one
             world, tokens_per_step = numbers.get("world_size"), numbers.get("tokens_per_step") or tokens_per_step
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):  # not train.py's: no label
+        except (ValueError, TypeError, KeyError, AttributeError):  # not train.py's: the label goes without
             pass
     return dict(train=sorted(train.items()), val=sorted(val.items()), hellaswag=sorted(hellaswag.items()),
                 tokens_per_step=tokens_per_step, world=world)
