@@ -109,12 +109,12 @@ def find(cfg: Config) -> list:
     """The checkpoints to resume from, the one to try first first: with resume=auto, last and
     previous of either format in out_dir, the newest first; else the one named."""
     out = Path(cfg.out_dir)
-    paths = ([] if cfg.resume == "never" else [Path(cfg.resume)] if cfg.resume != "auto" else
-             [out / f"{kind}{suffix}" for kind in ("last", "previous") for suffix in (".pt", ".dcp")])
-    paths = newest(paths)
-    if not paths and (cfg.init_from == "resume" or cfg.resume not in ("auto", "never")):
-        what = {"auto": f"no last.pt, last.dcp or previous one in {out}", "never": "resume=never forbids one"}
-        raise ConfigError(f"nothing to resume from: {what.get(cfg.resume, f'{cfg.resume} does not exist')}")
+    paths = newest([] if cfg.resume == "never" else [Path(cfg.resume)] if cfg.resume != "auto" else
+                   [out / f"{kind}{suffix}" for kind in ("last", "previous") for suffix in (".pt", ".dcp")])
+    if not paths and (cfg.init_from == "resume" or cfg.resume not in ("auto", "never")):  # (not both: config.py)
+        what = (f"no last.pt, last.dcp or previous one in {out}" if cfg.resume == "auto" else
+                f"{cfg.resume} does not exist")
+        raise ConfigError(f"nothing to resume from: {what}")
     return paths
 
 

@@ -83,9 +83,7 @@ def on_rank0(read, world, rank0_only: tuple = ()):
             result = read()
         except ConfigError as e:
             error = str(e)
-    shared = result
-    if isinstance(result, dict) and rank0_only:
-        shared = {k: None if k in rank0_only else v for k, v in result.items()}
+    shared = {k: None if k in rank0_only else v for k, v in result.items()} if isinstance(result, dict) else result
     shared, error = broadcast_json([shared, error], world)
     if error:
         raise ConfigError(error)

@@ -109,10 +109,7 @@ CHOICES = {
 
 
 def _type_name(typ) -> str:
-    args = typing.get_args(typ)
-    if args:
-        return " or ".join("None" if a is type(None) else a.__name__ for a in args)
-    return typ.__name__
+    return " or ".join("None" if a is type(None) else a.__name__ for a in typing.get_args(typ) or (typ,))
 
 
 def _show(value, limit: int = 80) -> str:

@@ -123,8 +123,7 @@ class Block(nn.Module):
 
     def _forward(self, x, cache=None, pos=0):
         x = x + self.attn(self.ln_1(x), cache, pos)  # pre-LayerNorm residual blocks
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
@@ -200,16 +199,11 @@ class GPT(nn.Module):
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, fused=True):
         """AdamW with weight decay on matrices and embeddings only, not on biases or LayerNorms."""
         params = [p for p in self.parameters() if p.requires_grad]
-        decay_params = [p for p in params if p.dim() >= 2]
-        no_decay_params = [p for p in params if p.dim() < 2]
-        optim_groups = [
-            {'params': decay_params, 'weight_decay': weight_decay},
-            {'params': no_decay_params, 'weight_decay': 0.0},
-        ]
+        optim_groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
+                        {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
         # The fused kernel does the whole update in one launch (on CPU too, about 5x faster here).
-        use_fused = fused and device_type in ('cuda', 'cpu', 'mps')
         return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas,
-                                 fused=True if use_fused else None)
+                                 fused=(fused and device_type in ('cuda', 'cpu', 'mps')) or None)
 
     def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=None):
         """Model FLOPs utilisation of fwdbwd_per_iter block_size-long sequences (forward and
@@ -293,7 +287,4 @@ PEAK_FLOPS = [
 
 def peak_flops_for(device_name):
     """Peak bf16 FLOP/s for a device name such as 'NVIDIA H100 80GB HBM3', or None if unknown."""
-    for substring, flops in PEAK_FLOPS:
-        if substring.lower() in device_name.lower():
-            return flops
-    return None
+    return next((flops for substring, flops in PEAK_FLOPS if substring.lower() in device_name.lower()), None)

@@ -154,11 +154,9 @@ def pick_device(name: str, world: World) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    dtype = DTYPES[name]
+    if name == "auto" and device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    dtype = torch.float32 if name == "auto" else DTYPES[name]
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("this GPU cannot run bfloat16: use --dtype=float16")
     # (CUDA's autocast runs both half dtypes; elsewhere try it, without touching a GPU in a parent)
@@ -234,13 +232,6 @@ def release_freed_memory():
         LIBC.malloc_trim(0)
 
 
-def accumulation_steps(cfg: Config, world_size: int) -> int:
-    """Derive, then assert: global_batch_size sequences a step, batch_size per micro-step and process."""
-    if cfg.global_batch_size % (cfg.batch_size * world_size):
-        raise GlobalBatchIndivisible(cfg.global_batch_size, cfg.batch_size, world_size)
-    return cfg.global_batch_size // (cfg.batch_size * world_size)
-
-
 def place(device: str, dtype: str, backend: str, claim: bool = True, world: World = None) -> World:
     """Ranks (`world`'s, else the launcher's), device, dtype and backend, all checked before any group
     forms (eval.py's start-up). claim=False only checks: a launcher's parent (train_spawn, bench)
@@ -257,9 +248,12 @@ def place(device: str, dtype: str, backend: str, claim: bool = True, world: Worl
 
 
 def setup(cfg: Config, claim: bool = True, world: World = None) -> World:
-    """place() and the accumulation steps, checked before any group forms."""
+    """place() and the accumulation steps, checked before any group forms: global_batch_size sequences
+    a step, batch_size per micro-step and process."""
     world = place(cfg.device, cfg.dtype, cfg.backend, claim, world)
-    world.accum = accumulation_steps(cfg, world.size)
+    if cfg.global_batch_size % (cfg.batch_size * world.size):
+        raise GlobalBatchIndivisible(cfg.global_batch_size, cfg.batch_size, world.size)
+    world.accum = cfg.global_batch_size // (cfg.batch_size * world.size)
     if cfg.fsdp_shard_size and world.size % cfg.fsdp_shard_size:
         raise ConfigError(f"fsdp_shard_size ({cfg.fsdp_shard_size}) must divide the world size ({world.size}): "
                           f"e.g. the processes per host, {world.local_size}")
