@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import checkpoint
 from config import GPT2_NAMES
 from data.dataset import GPT2_EOT, GPT2_VOCAB_SIZE
 from data.files import read_json
@@ -175,7 +176,10 @@ def read_shape(folder: Path) -> dict:
 
 
 def model_args(init_from: str, cfg, meta: dict) -> dict:
-    """The run's model arguments when its weights come from GPT-2 (read here, on rank 0)."""
+    """The run's model arguments when its weights come from GPT-2 (read here, on rank 0). A resume of a run
+    started from the same init_from takes GPT-2's dimensions from its checkpoint: the files may be gone."""
+    if resumed := resumed_shape(cfg):
+        return {**cfg.model_args(meta["vocab_size"]), **resumed}
     shape = read_shape(locate(init_from))
     if cfg.block_size > shape["block_size"]:
         raise ConfigError(f"block_size {cfg.block_size} is longer than {init_from}'s {shape['block_size']} "
@@ -188,6 +192,19 @@ def model_args(init_from: str, cfg, meta: dict) -> dict:
                           f"e.g. --dataset=shakespeare")
     return {**shape, "block_size": cfg.block_size, "bias": True, "dropout": cfg.dropout,
             "pad_vocab_to": cfg.pad_vocab_to}
+
+
+def resumed_shape(cfg):
+    """n_layer, n_head and n_embd of the checkpoint a resume takes first, if its run started from cfg.init_from
+    too; else None (checkpoint.resume then reports a damaged or mismatched checkpoint, as for any run)."""
+    for path in checkpoint.find(cfg):
+        try:
+            saved = checkpoint.read(path, tensors=False)
+            same = saved["config"]["init_from"] == cfg.init_from
+            return {k: saved["model_args"][k] for k in ("n_layer", "n_head", "n_embd")} if same else None
+        except (ConfigError, LookupError, TypeError):  # unreadable or not one of ours: the next one
+            continue
+    return None
 
 
 def load_state(init_from: str, model: GPT) -> dict:

@@ -5,6 +5,7 @@ vocabulary, saved into a temporary folder, never the released weights."""
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -209,19 +210,22 @@ def test_max_iters_0_reports_the_pretrained_val_loss(tmp_path, bpe_data, hf_fold
 
 @pytest.mark.slow
 def test_fine_tuning_on_two_ranks_starts_from_the_folder_and_resumes_exactly(tmp_path, bpe_data, hf_folder):
-    """Two ranks: rank 0 reads the folder and the other receives; 2+2 steps equal 4 steps."""
-    def finetune(out, **overrides):  # what rank 0 printed
-        run_world(2, tiny_finetune(bpe_data, out, hf_folder, learning_rate=1e-4, warmup_iters=0, eval_interval=2,
+    """Two ranks: rank 0 reads the folder and the other receives; 2+2 steps equal 4 steps, and the
+    resume needs the folder no more (a cache cleared, no network)."""
+    def finetune(out, folder=hf_folder, **overrides):  # what rank 0 printed
+        run_world(2, tiny_finetune(bpe_data, out, folder, learning_rate=1e-4, warmup_iters=0, eval_interval=2,
                                    **overrides), tmp_path / "results")
         return (tmp_path / "results" / "rank0.log").read_text()
 
     finetune(tmp_path / "whole", max_iters=4, resume="never")
-    finetune(tmp_path / "split", max_iters=2, resume="never", lr_decay_iters=4)
+    gone = shutil.copytree(hf_folder, tmp_path / "gone")
+    finetune(tmp_path / "split", gone, max_iters=2, resume="never", lr_decay_iters=4)
+    shutil.rmtree(gone)
     first = checkpoint.read(tmp_path / "split" / "last.pt")["model"]
     start = gpt2_from_hf(hf_model().state_dict(), GPT(GPTConfig(**{**HF_SHAPE_OURS, "block_size": 32})))
     moved = max((first[k] - start[k]).abs().max().item() for k in start)
     assert 0 < moved < 1e-2  # two small steps away from the folder's weights
-    printed = finetune(tmp_path / "split", max_iters=4, resume="auto", lr_decay_iters=4)
+    printed = finetune(tmp_path / "split", gone, max_iters=4, resume="auto", lr_decay_iters=4)
     assert "resuming from" in printed and "weights from" not in printed
     whole = checkpoint.read(tmp_path / "whole" / "last.pt")["model"]
     split = checkpoint.read(tmp_path / "split" / "last.pt")["model"]
