@@ -31,14 +31,14 @@ def read_metrics(path: Path, verb: str) -> list:
 
 class Logger:
 
-    def __init__(self, cfg, resumed_step, enabled: bool, estimate_mfu=None):
-        """`resumed_step`: the step a resumed run starts from (None for a fresh run).
+    def __init__(self, cfg, step: int, resumed_from, enabled: bool, estimate_mfu=None):
+        """`step`: where the run starts; `resumed_from`: the checkpoint it continues (None for a fresh run).
         `estimate_mfu(steps, seconds)`: the model's MFU for that many optimizer steps, or None."""
         self.enabled, self.max_iters = enabled, cfg.max_iters
         self.tokens_per_step, self.estimate_mfu = cfg.tokens_per_step, estimate_mfu
         self.bar = self.wandb = self.failure = None  # failure: why metrics.jsonl could not be written
         self.wandb_failure = None  # why wandb could not start: a config problem, agreed in start()
-        self.restart_clock(resumed_step or 0)
+        self.restart_clock(step)
         if not enabled:
             return
         if cfg.wandb_log:
@@ -51,13 +51,14 @@ class Logger:
                                       f"login`, or set WANDB_MODE=offline, or use --wandb_log=false")
                 return  # a run refused leaves out_dir's log as it was
         self.metrics = Path(cfg.out_dir) / "metrics.jsonl"
+        # a fresh run starts a new log; a resumed one keeps the history of its checkpoint (the log beside
+        # it, here or in the folder it came from) up to its step, and drops the steps it runs again
+        history = Path(resumed_from).parent / "metrics.jsonl" if resumed_from else None
         if self.metrics.exists() and not self.metrics.is_file():  # a folder; a FIFO would hang the read
             self.failure = f"could not write {self.metrics} (it is not a file)"
-        elif self.metrics.exists():  # a fresh run starts a new log; a resumed one drops the
-            # steps after its checkpoint, which it is about to run again
-            rows = read_metrics(self.metrics, "dropped")
-            self._write(self.metrics, "".join(json.dumps(row) + "\n" for row in rows
-                                              if resumed_step is not None and row["step"] <= resumed_step))
+        elif self.metrics.exists() or (history and history.is_file()):
+            rows = read_metrics(history, "dropped") if history and history.is_file() else []
+            self._write(self.metrics, "".join(json.dumps(row) + "\n" for row in rows if row["step"] <= step))
 
     def __enter__(self):
         """The progress bar, on a terminal (on stdout, with the log lines: stderr keeps one error line)."""
@@ -80,7 +81,7 @@ class Logger:
         from pretrained import is_pretrained
         cfg, world, raw_model = run.cfg, run.world, run.raw_model
         on_gpu = world.device.type == "cuda"
-        log = cls(cfg, run.step if run.resumed_from else None, world.is_master,
+        log = cls(cfg, run.step, run.resumed_from, world.is_master,
                   (lambda steps, seconds: raw_model.estimate_mfu(cfg.batch_size * world.accum * steps, seconds,
                                                                  cfg.peak_flops or None))
                   if on_gpu else None)

@@ -41,6 +41,16 @@ def test_resume_ends_bit_identical_to_an_uninterrupted_run(char_data, tmp_path):
     assert losses(straight) == losses(legs)  # the resumed log continues, no replayed steps
 
 
+def test_a_resume_from_another_folder_keeps_that_runs_log(char_data, tmp_path):
+    """--resume=A/last.pt into an out_dir holding another run's log: the log is A's history, not a splice."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    train_here(char_data, b, max_iters=4, eval_interval=2, seed=7)  # b's own run, another seed
+    train_here(char_data, a, max_iters=2, eval_interval=2)
+    train_here(char_data, b, max_iters=4, eval_interval=2, resume=str(a / "last.pt"))
+    assert [r for r in metrics(b) if r["step"] <= 2] == metrics(a)
+    assert [r["step"] for r in metrics(b) if "val_loss" in r] == [0, 2, 4]
+
+
 def test_the_gradient_norm_is_within_float32_rounding():
     """torch's float32 norm on a CPU rounds a shard otherwise than the whole tensor: DDP's and FSDP's
     logged grad_norm were 1.6e-4 apart on GPT-2's vocabulary (the guarantee is 1e-5), and clipped apart."""
