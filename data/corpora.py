@@ -159,7 +159,7 @@ def load_corpus(out_dir, input_path=None) -> tuple:
     data = cache.read_bytes() if cache.is_file() else None
     if data is not None and sha256_bytes(data) not in KNOWN_CORPORA:
         print(f"note: ignoring {cache}: its sha256 {sha256_bytes(data)} is no known corpus "
-              "(use --input PATH for your own text); it will be replaced")
+              "(your own text: prepare.py --input PATH, train.py --prepare_input=PATH); it will be replaced")
         data = None
     how, failures = f"cached {cache}", []
     for fetch, label in ((_download_tiny_shakespeare, "downloaded"),
@@ -173,7 +173,7 @@ def load_corpus(out_dir, input_path=None) -> tuple:
             print(f"corpus {failures[-1]}")
     if data is None:
         raise RuntimeError(f"could not get a corpus ({'; '.join(failures)}): pass a local UTF-8 text file "
-                           f"with --input PATH")
+                           f"(prepare.py --input PATH, train.py --prepare_input=PATH)")
     if not how.startswith("cached"):
         cache.parent.mkdir(parents=True, exist_ok=True)
         with preparing(cache.parent):  # else another preparation's clean-up could take its temporary file

