@@ -22,8 +22,10 @@ from data.tokenizers import encode_with_progress, gpt2_encoding
 def prepare(out_dir=None, input_path=None, bpe_file=None) -> dict:
     """Build the dataset in out_dir (default: this folder) and return its meta."""
     out_dir = Path(out_dir) if out_dir else Path(__file__).resolve().parent
-    enc = gpt2_encoding(bpe_file)  # first: a bad vocabulary file leaves out_dir as it was
-    text, source = load_corpus(out_dir, input_path)
+    text, source = load_corpus(out_dir, input_path) if input_path else (None, None)  # a bad --input: one line
+    enc = gpt2_encoding(bpe_file)  # before a download, which caches input.txt in out_dir
+    if text is None:
+        text, source = load_corpus(out_dir, None)
     train_text, val_text = split_text(text)
     train_ids = encode_with_progress(enc, train_text, desc="train")
     val_ids = encode_with_progress(enc, val_text, desc="val")
