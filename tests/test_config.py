@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from config import Config, ConfigError, parse_value, resolve
@@ -45,15 +47,37 @@ def test_wrong_type_in_a_file_names_the_key(tmp_path):
         resolve([str(cfg_file)])
 
 
-@pytest.mark.parametrize("arg, expected", [
+LONG = "a" * 300  # a file name past 255 bytes
+
+
+@pytest.mark.parametrize("args, expected", [  # one bad value for each of config.validate's checks
+    *[(f"--{n}=0", f"{n} must be positive") for n in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
+                                                       "global_batch_size", "eval_interval", "eval_iters",
+                                                       "log_interval", "pad_vocab_to")],
+    *[(f"--{n}=-1", f"{n} must be >= 0") for n in ("max_iters", "warmup_iters", "weight_decay", "grad_clip",
+                                                    "hellaswag_interval", "seed")],
     ("--n_embd=130", "divisible by n_head"),
     ("--dropout=1.0", "dropout must be in"),
-    ("--block_size=0", "block_size must be positive"),
-    ("--dtype=float8", "dtype must be one of"),
+    ("--learning_rate=0", "learning_rate must be a positive number"),
+    ("--min_lr=1", "min_lr must be in"),
+    ("--lr_decay_iters=0", "lr_decay_iters must be positive or None"),
+    ("--beta2=1.0", "beta1 and beta2 must be in"),
+    ("--dist_timeout=0", "dist_timeout must be positive seconds"),
+    ("--fsdp_shard_size=-1", "fsdp_shard_size must be >= 0"),
+    ("--fsdp_shard_size=2", "it needs --strategy=fsdp"),
+    *[(f"--{n}=zero3", f"{n} must be one of") for n in ("dtype", "backend", "strategy", "checkpoint_format")],
+    ("--resume=somewhere", "resume must be 'auto', 'never' or a path"),
+    ("--async_checkpoint=true", "it needs --checkpoint_format=sharded"),
+    ("--init_from=gpt3", "init_from 'gpt3' is not scratch"),
+    ("--init_from=resume --resume=never", "resume='never' forbids one"),
+    ("--out_dir=", "out_dir must not be empty"),
+    *[(f"--{n}={v}", f"{n} is not a path a file system takes") for n, v in (
+        ("out_dir", LONG), ("dataset", LONG), ("data_dir", LONG), ("prepare_input", LONG), ("init_from", f"x/{LONG}"),
+        ("resume", f"{LONG}.pt"), ("hellaswag_path", LONG), ("data_dir", "a\0b"))],
 ])
-def test_values_are_range_checked(arg, expected):
-    with pytest.raises(ConfigError, match=expected):
-        resolve([arg])
+def test_values_are_range_checked(args, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        resolve(args.split(" "))
 
 
 def test_override_syntax_errors_are_clear():
