@@ -178,6 +178,7 @@ def test_ddp_resume_is_bit_identical(world_runs, half_w2, char_data, tmp_path, d
         for key, value in state.items():
             assert torch.equal(value, b["optimizer"]["state"][pid][key]), (pid, key)
     assert torch.equal(a["rng"]["cpu"], b["rng"]["cpu"]) and a["rng"]["cpu"].shape[0] == 2
+    assert not torch.equal(a["rng"]["cpu"][0], a["rng"]["cpu"][1])  # each rank its own dropout stream
     assert train_log(straight) == train_log(legs)  # bit for bit, and no step logged twice
 
 

@@ -55,6 +55,7 @@ def test_set_epoch_changes_the_order_deterministically(token_file):
     b = make(token_file)
     b.set_epoch(1)
     assert not np.array_equal(first, second)
+    assert set(first % BLOCK) != set(second % BLOCK)  # a fresh offset (6, then 7), not only a fresh order
     assert np.array_equal(second, b.starts)  # same (seed, epoch), same order
     assert not np.array_equal(make(token_file, seed=4).starts, first)
 
