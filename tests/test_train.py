@@ -21,10 +21,11 @@ def test_single_process_run_lowers_val_loss(char_data, tmp_path):
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in saved["model"])
 
 
-def test_resume_ends_bit_identical_to_an_uninterrupted_run(char_data, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "float16"])  # float16: the loss scaler's state resumes too
+def test_resume_ends_bit_identical_to_an_uninterrupted_run(char_data, tmp_path, dtype):
     # dropout on, so the saved RNG state matters too; lr_decay_iters pinned so the
     # schedule of the short first leg is the schedule of the whole run
-    common = dict(max_iters=24, lr_decay_iters=24, eval_interval=8, dropout=0.1)
+    common = dict(max_iters=24, lr_decay_iters=24, eval_interval=8, dropout=0.1, dtype=dtype)
     straight, legs = tmp_path / "straight", tmp_path / "legs"
     train_here(char_data, straight, **common)
     train_here(char_data, legs, **{**common, "max_iters": 8})
@@ -36,7 +37,7 @@ def test_resume_ends_bit_identical_to_an_uninterrupted_run(char_data, tmp_path):
     for pid, state in a["optimizer"]["state"].items():
         for key in state:
             assert torch.equal(state[key], b["optimizer"]["state"][pid][key]), (pid, key)
-    assert a["loader"] == b["loader"] and b["step"] == 24
+    assert a["loader"] == b["loader"] and b["step"] == 24 and a["scaler"] == b["scaler"]
     losses = lambda d: [(r["step"], r["loss"]) for r in metrics(d) if "loss" in r]
     assert losses(straight) == losses(legs)  # the resumed log continues, no replayed steps
 
