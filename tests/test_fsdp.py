@@ -13,7 +13,7 @@ import torch
 
 import train
 from config import resolve
-from harness import ckpt, max_diff, run_world, tiny_args
+from harness import assert_close_runs, ckpt, max_diff, run_world, tiny_args
 
 TOL = 1e-5  # the README's tolerance between launches
 STEPS = 6
@@ -31,7 +31,7 @@ def args_for(data, out, **kw):
 def ddp_reference(char_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
     run_world(2, args_for(char_data, out, strategy="ddp"), out / "results")
-    return ckpt(out)
+    return {**ckpt(out), "out_dir": out}
 
 
 def record_where_the_model_is_built(rank):
@@ -88,6 +88,7 @@ def assert_like_ddp(checkpoint, ddp_reference, nproc):
 @pytest.mark.slow
 def test_fsdp_on_2_processes_ends_with_ddps_weights_and_moments(fsdp_whole, ddp_reference):
     assert_like_ddp(ckpt(fsdp_whole), ddp_reference, 2)
+    assert_close_runs(fsdp_whole, ddp_reference["out_dir"])  # and logs DDP's losses and gradient norms
     # only rank 0 ever held the whole model: rank 1 built it on the meta device, then its shard
     assert [(fsdp_whole / f"built.{r}").read_text() for r in (0, 1)] == ["cpu", "meta"]
 
