@@ -234,3 +234,16 @@ def test_sharded_checkpoints_need_storage_every_rank_sees(char_data, tmp_path):
     assert errors[0] == errors[1] and errors[0].startswith(f"rank 1 on ") and "does not see rank 0's" in errors[0]
     assert "needs storage every rank sees" in errors[0] and "--checkpoint_format=file" in errors[0]
     assert not (out / "last.dcp").exists()
+
+
+@pytest.mark.slow
+def test_a_split_the_ranks_cannot_share_evenly_has_the_single_process_loss(tmp_path):
+    """169 train windows on 2 ranks: rank 1 runs a spare forward (FSDP gathers weights in each), counted nowhere."""
+    from harness import make_char_dataset, metrics
+    data = make_char_dataset(tmp_path, n_chars=3000)  # 2,705 train tokens: 169 windows of 16
+    kw = dict(max_iters=0, eval_iters=11)  # 176 windows asked for, 169 there
+    run_world(2, args_for(data, tmp_path / "fsdp", strategy="fsdp", **kw), tmp_path / "results")
+    train.main(resolve(args_for(data, tmp_path / "one", **kw)))
+    (fsdp,), (one,) = metrics(tmp_path / "fsdp"), metrics(tmp_path / "one")
+    assert fsdp["train_eval_loss"] == pytest.approx(one["train_eval_loss"], rel=1e-6)
+    assert fsdp["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
