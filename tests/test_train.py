@@ -213,3 +213,8 @@ def test_the_ranks_agree_on_a_stop_about_every_2_seconds_and_every_slow_step(mon
                 assert agree(torch.tensor(2.5), signum, problems, step) == (2.5, signum, problems)
         # two ranks at 21: 10 steps, 8 quick and 2 slow, in 7.08 s, so every 2 steps; then every step
         assert due == expected, (size, due)
+    # a SIGTERM that only the other rank received stops this one too, at the same step: its vote is in the sum
+    other = torch.tensor([2.5, 0.01, 1.0, 0.0, 0.0])  # its loss, step time, SIGTERM, SIGINT, a problem
+    monkeypatch.setattr(collectives.dist, "all_reduce", lambda votes, op: votes.add_(other))
+    agree = collectives.Agreement(World(size=2), step=0)
+    assert agree(torch.tensor(2.5), 0, [None], 1) == (2.5, signal.SIGTERM, [None])
