@@ -99,11 +99,11 @@ class OutDirUnwritable(ConfigError):
 
 class OutDirBusy(ConfigError):
     def __init__(self, out_dir, holder: str):
-        import json
+        from data.files import parse_json
         try:
-            h = json.loads(holder)
+            h = parse_json(holder)
             who = f"the run started {h['started']} as pid {h['pid']} on {h['host']}"
-        except (ValueError, KeyError, TypeError, RecursionError):
+        except (ValueError, KeyError, TypeError):
             who = "another run"
         super().__init__(f"out_dir {out_dir} is in use by {who} (it holds {out_dir}/run.lock): wait for "
                          f"it to end, stop it, or give this run another --out_dir")

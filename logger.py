@@ -54,10 +54,10 @@ class Logger:
         # a fresh run starts a new log; a resumed one keeps the history of its checkpoint (the log beside
         # it, here or in the folder it came from) up to its step, and drops the steps it runs again
         history = Path(resumed_from).parent / "metrics.jsonl" if resumed_from else None
-        if self.metrics.exists() and not self.metrics.is_file():  # a folder; a FIFO would hang the read
+        rows = read_metrics(history, "dropped") if history and history.is_file() else []  # (a FIFO would hang)
+        if self.metrics.exists() and not self.metrics.is_file():  # a folder, a FIFO
             self.failure = f"could not write {self.metrics} (it is not a file)"
-        elif self.metrics.exists() or (history and history.is_file()):
-            rows = read_metrics(history, "dropped") if history and history.is_file() else []
+        elif self.metrics.exists() or rows:
             self._write(self.metrics, "".join(json.dumps(row) + "\n" for row in rows if row["step"] <= step))
 
     def __enter__(self):
