@@ -189,10 +189,9 @@ class GPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, padded V)
         scores = logits
         if self.config.padded_vocab_size > V:
-            # -inf scores: the padding ids get probability 0 and a gradient of exactly 0. (Masking,
-            # not slicing: a slice's backward would write the padded gradient in a pass of its own.)
-            # Only the loss sees the mask, so under torch.compile it fuses into the loss kernels and
-            # the masked copy of the logits is never written out.
+            # -inf: the padding ids get probability 0 and a gradient of exactly 0 (a slice's backward would
+            # write the padded gradient in a pass of its own). Only the loss sees the mask: compiled, it
+            # fuses into the loss kernels, and no masked copy of the logits is written out.
             scores = logits.masked_fill(torch.arange(logits.size(-1), device=idx.device) >= V, float('-inf'))
         loss = F.cross_entropy(scores.view(-1, scores.size(-1)), targets.reshape(-1), ignore_index=-1)
         # (not a view where nothing is padded: FSDP warns of a view its backward hook could miss)
