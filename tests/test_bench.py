@@ -179,3 +179,27 @@ def test_a_worker_that_fails_while_running_is_a_failed_run(monkeypatch, tmp_path
     monkeypatch.setattr(bench.subprocess, "run", lambda cmd, env: subprocess.CompletedProcess(cmd, 1))
     with pytest.raises(RunError, match="the ddp run on 1 process failed \\(exit 1\\)"):
         bench.measure(["ddp"], [1], ["--device=cpu"], 1, 0, tmp_path, False)
+
+
+def test_gpu_summary_tabulates_nanogpt_llmc_and_our_runs(tmp_path, capsys):
+    # bench/gpu.sh's summary: tokens/s from nanoGPT's "time per iteration" line (batch x 1024 /
+    # time), llm.c's run.sh JSON line, and our bench.json; a run that failed is only in the logs
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_summary", REPO / "bench" / "gpu_summary.py")
+    gpu_summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_summary)
+    (tmp_path / "env.txt").write_text("NVIDIA H100 80GB HBM3\n")
+    (tmp_path / "times.txt").write_text("nanogpt_b12 exit 0 after 33 s\nours exit 1 after 9 s\n")
+    (tmp_path / "nanogpt_b12.log").write_text("19/20 loss: 6.1937\ntime per iteration: 28.1905ms, MFU: 119.42%\n")
+    (tmp_path / "llmc_b32.log").write_text('LLMC JSON {"tokens_per_s": 459102.0, "mean_step_ms": 1141.986, '
+                                           '"mean_mfu_pct": 37.33}\n')
+    (tmp_path / "gpt_small_b32").mkdir()
+    (tmp_path / "gpt_small_b32" / "bench.json").write_text(json.dumps({"runs": [dict(
+        tokens_per_sec=460562.4, step_time_s=1.1384, mfu=0.398, peak_memory_bytes=24.75 * 2**30)]}))
+    (tmp_path / "ours.log").write_text("error: the ddp run on 1 process failed (exit 1)\n")
+    gpu_summary.main(tmp_path)
+    out = capsys.readouterr().out
+    assert "| nanogpt_b12 | 435,892 | 28.2 ms | - | - |" in out
+    assert "| gpt_small_b32 | 460,562 | 1138.4 ms | 39.8% | 24.8 GiB |" in out
+    assert "| llmc_b32 | 459,102 | 1142.0 ms | 37.3% (llm.c's) | - |" in out
+    assert out.count("| ours") == 0 and "ours exit 1 after 9 s" in out and "### ours\n```\nerror: the ddp" in out
