@@ -15,17 +15,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-
-def time_ms(fn, repeat=10) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeat
+from attention_kernels import time_ms  # (bench/ is this script's folder)
 
 
 def masked_loss(x, w, targets, vocab):  # as model.py: logits of padding ids are -inf
@@ -103,7 +93,7 @@ def main():
 
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        ms = time_ms(step)
+        ms = time_ms(step, repeat=10)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         print(f"{name:>20}: {ms:7.2f} ms fwd+bwd, {peak:5.2f} GiB above inputs | rel. error {errors}")
 
