@@ -76,12 +76,12 @@ def main():
     ref.backward()
     rel = lambda got, want: ((got.double() - want).norm() / want.norm()).item()
 
-    variants = [("model.py, compiled", torch.compile(masked_loss), {})]
-    variants += [(f"chunked {c}", lambda x, w, t, v, c=c: ChunkedLinearCE.apply(x, w, t, v, c), {})
+    variants = [("model.py, compiled", torch.compile(masked_loss))]
+    variants += [(f"chunked {c}", lambda x, w, t, v, c=c: ChunkedLinearCE.apply(x, w, t, v, c))
                  for c in map(int, a.chunks.split(","))]
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {a.tokens} tokens x {a.n_embd} "
           f"-> {padded} logits, bf16")
-    for name, fn, _ in variants:
+    for name, fn in variants:
         x.grad = w.grad = None
         loss = fn(x[:ref_n], w, targets[:ref_n], vocab)
         loss.backward()
