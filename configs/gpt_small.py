@@ -4,7 +4,8 @@
 # Cost: 6 x 124M x 10B = 7.5e18 FLOPs plus attention; one H100 runs 0.46M tokens/s here, as
 # fast as llm.c (docs/performance.md), so ~6 hours on one H100 and under an hour on eight.
 # Expect a val loss of about 3.3 on FineWeb (llm.c's GPT-2 124M run reached 3.28 at 10B tokens)
-# and lower on FineWeb-Edu, whose text is easier to predict. For a quick run on a small corpus: --dataset=shakespeare.
+# and lower on FineWeb-Edu, whose text is easier to predict. A quick run on a small corpus:
+# --dataset=shakespeare.
 out_dir = "out-gpt-small"
 dataset = "fineweb"
 eval_interval = 250
