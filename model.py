@@ -126,6 +126,16 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def cross_entropy(logits, targets, vocab_size: int):
+    """Mean loss of logits (..., padded V) against targets (-1: not counted). The padding ids past
+    vocab_size score -inf: probability 0 and a gradient of exactly 0 (a slice's backward would write
+    the padded gradient in a pass of its own). Only the loss sees this mask: compiled, it fuses into
+    the loss kernels, and no masked copy of the logits is written out."""
+    if logits.size(-1) > vocab_size:
+        logits = logits.masked_fill(torch.arange(logits.size(-1), device=logits.device) >= vocab_size, float('-inf'))
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -187,13 +197,7 @@ class GPT(nn.Module):
         if targets is None:  # the next token only: skip the output layer for the other positions
             return self.lm_head(self.transformer.ln_f(x[:, [-1], :]))[..., :V], None  # (B, 1, V)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, padded V)
-        scores = logits
-        if self.config.padded_vocab_size > V:
-            # -inf: the padding ids get probability 0 and a gradient of exactly 0 (a slice's backward would
-            # write the padded gradient in a pass of its own). Only the loss sees the mask: compiled, it
-            # fuses into the loss kernels, and no masked copy of the logits is written out.
-            scores = logits.masked_fill(torch.arange(logits.size(-1), device=idx.device) >= V, float('-inf'))
-        loss = F.cross_entropy(scores.view(-1, scores.size(-1)), targets.reshape(-1), ignore_index=-1)
+        loss = cross_entropy(logits, targets, V)
         # (not a view where nothing is padded: FSDP warns of a view its backward hook could miss)
         return (logits[..., :V] if self.config.padded_vocab_size > V else logits), loss  # (B, T, V)
 

@@ -11,17 +11,22 @@ relative error of loss and gradients against a float64 reference; a GPU is neede
 """
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from attention_kernels import time_ms  # (bench/ is this script's folder)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from model import cross_entropy  # noqa: E402
 
-def masked_loss(x, w, targets, vocab):  # as model.py: logits of padding ids are -inf
-    logits = F.linear(x, w.to(x.dtype))
-    logits = logits.masked_fill(torch.arange(logits.size(-1), device=x.device) >= vocab, float('-inf'))
-    return F.cross_entropy(logits.float(), targets)
+
+def model_loss(x, w, targets, vocab):
+    """model.py's output layer and loss, under autocast as train.py runs them."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return cross_entropy(F.linear(x, w), targets, vocab)
 
 
 @torch.compile
@@ -76,7 +81,7 @@ def main():
     ref.backward()
     rel = lambda got, want: ((got.double() - want).norm() / want.norm()).item()
 
-    variants = [("model.py, compiled", torch.compile(masked_loss))]
+    variants = [("model.py, compiled", torch.compile(model_loss))]
     variants += [(f"chunked {c}", lambda x, w, t, v, c=c: ChunkedLinearCE.apply(x, w, t, v, c))
                  for c in map(int, a.chunks.split(","))]
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {a.tokens} tokens x {a.n_embd} "
