@@ -120,10 +120,10 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
     return meta
 
 
-def _prepare_again(data_dir) -> str:
+def _prepare_again(data_dir, when: str = "again") -> str:
     script = Path(__file__).parent / Path(data_dir).name / "prepare.py"  # data/NAME/prepare.py, if there
     command = f"python data/{script.parent.name}/prepare.py" if script.is_file() else "the dataset's prepare.py"
-    return f"prepare the dataset again ({command} --out_dir {data_dir})"
+    return f"prepare the dataset {when} ({command} --out_dir {data_dir})"
 
 
 def is_loose_shard(path: Path) -> bool:
@@ -210,8 +210,7 @@ def load_meta(data_dir, fix: str = "") -> dict:
                              f"dataset's prepare.py with the same arguments again, which finishes it")
         if has_tokens(data_dir):
             return meta_from_shards(data_dir)
-        raise FileNotFoundError(f"{path} not found: prepare the dataset first "
-                                f"(python data/{Path(data_dir).name}/prepare.py)")
+        raise FileNotFoundError(f"{path} not found: {_prepare_again(data_dir, 'first')}")
     try:
         meta = read_json(path)
     except ValueError as e:  # not UTF-8, not JSON

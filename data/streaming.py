@@ -261,8 +261,8 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = preparing(out_dir)  # (held until this returns) another preparation waits; a killed one's shard goes
     settings = {**settings, "files": source.names, "shard_tokens": shard_tokens, "prefix": prefix}
-    if (out_dir / "meta.json").is_file() and not (out_dir / PROGRESS).is_file():
-        return _already_prepared(out_dir, settings)
+    if (meta := finished(out_dir, settings)) is not None:
+        return meta
     progress = read_progress(out_dir, settings)
     streams = {name: ShardStream(out_dir, prefix, shard_tokens, split_of_shard[name],
                                  progress["streams"].get(name)) for name in split_of_shard}
@@ -335,10 +335,16 @@ def _finish(source: Source, out_dir: Path, streams: dict, counts: list, settings
     return meta
 
 
-def _already_prepared(out_dir: Path, settings: dict) -> dict:
-    """A finished folder: the same settings leave it as it is; others would overwrite it."""
+def finished(out_dir, settings: dict):
+    """meta.json of a prepare that finished in out_dir, or None. Checked: the same `settings` (those
+    given: a rerun need not list a hub's files again, nor count documents) and its shards in place;
+    other settings would overwrite it."""
+    out_dir = Path(out_dir)
+    if not (out_dir / "meta.json").is_file() or (out_dir / PROGRESS).is_file():
+        return None
     meta = load_meta(out_dir, fix=f"remove {out_dir} and prepare again")
-    if meta.get("prepared_with") != settings or "shards" not in meta:
+    made = meta.get("prepared_with")
+    if not isinstance(made, dict) or any(made.get(k) != v for k, v in settings.items()) or "shards" not in meta:
         raise ValueError(f"{out_dir} already holds a dataset prepared with other settings: remove it "
                          f"or choose another --out_dir")
     for entry in meta["shards"]["train"] + meta["shards"]["val"]:
@@ -347,4 +353,3 @@ def _already_prepared(out_dir: Path, settings: dict) -> dict:
             raise ValueError(f"{file} is missing or changed: remove {out_dir} and prepare again")
     print(f"{out_dir} is already prepared ({meta['train_tokens'] + meta['val_tokens']:,} tokens)")
     return meta
-

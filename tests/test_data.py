@@ -91,8 +91,11 @@ def test_char_tokenizer_round_trip_and_unknown_characters():
 
 
 def test_load_meta_names_the_missing_dataset_and_how_to_prepare_it(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"meta\.json.*prepare\.py"):
+    with pytest.raises(FileNotFoundError, match=r"meta\.json not found: prepare the dataset first \(python "
+                                                r"data/shakespeare_char/prepare\.py --out_dir "):
         load_meta(tmp_path / "shakespeare_char")
+    with pytest.raises(FileNotFoundError, match=r"first \(the dataset's prepare\.py"):  # no data/nosuch/prepare.py
+        load_meta(tmp_path / "nosuch")
 
 
 def test_gpt2_encoding_rejects_a_wrong_vocabulary_file(tmp_path, monkeypatch):

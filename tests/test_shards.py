@@ -4,6 +4,7 @@ never touched), llm.c's shard format, and training over many shards with the loa
 import hashlib
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -327,11 +328,12 @@ class ConnectError(Exception):
     """What huggingface_hub's HTTP client raises offline (httpx's errors are no OSError)."""
 
 
+def offline(*args, **kwargs):
+    raise ConnectError("[Errno -2] Name or service not known")
+
+
 def test_a_hub_that_cannot_be_reached_is_one_line(tmp_path, script, monkeypatch):
     import huggingface_hub
-
-    def offline(*args, **kwargs):
-        raise ConnectError("[Errno -2] Name or service not known")
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", offline)
     for prepare in ("fineweb", "openwebtext"):
         proc = script(f"data/{prepare}/prepare.py", f"--out_dir={tmp_path / prepare}")
@@ -347,6 +349,28 @@ def test_a_hub_that_cannot_be_reached_is_one_line(tmp_path, script, monkeypatch)
         "hub (ConnectError"), proc.stderr
     assert not list((tmp_path / "fineweb").glob("*.bin"))
 
+
+
+@pytest.mark.slow
+def test_a_finished_hub_prepare_run_again_offline_downloads_nothing(corpus, tmp_path, script, monkeypatch):
+    """Run again on a finished folder, a prepare from the hub checks it and says so, offline too:
+    nothing is listed, downloaded (OpenWebText: 25 GB) or counted again."""
+    import huggingface_hub
+    folder, _ = corpus
+
+    def download(repo_id, filename, local_dir, **kwargs):
+        (Path(local_dir) / filename).parent.mkdir(parents=True, exist_ok=True)
+        return shutil.copy(folder / Path(filename).name, Path(local_dir) / filename)
+    for prepare, name in (("fineweb", "sample/10BT/part0.parquet"), ("openwebtext", "plain_text/part0.parquet")):
+        monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda *a, **k: [name])
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+        args = (f"data/{prepare}/prepare.py", f"--out_dir={tmp_path / prepare}", "--shard_tokens=3000", "--workers=1")
+        assert script(*args).returncode == 0
+        monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", offline)
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+        again = script(*args)
+        assert again.returncode == 0 and "is already prepared" in again.stdout, again.stderr
+        assert not list((tmp_path / prepare).rglob("*.parquet"))
 
 def bad_length(d):
     write_llm_c_shard(d / "x_train_000001.bin", np.arange(5000))

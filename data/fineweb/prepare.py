@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a script: make `data` importable from th
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.corpora import errors_exit_2
-from data.streaming import hub_files, hub_source, local_source, shard_arguments, write_shards
+from data.streaming import finished, hub_files, hub_source, local_source, shard_arguments, write_shards
 
 PREPARE_IN_TRAIN = False  # hours of downloading: train.py asks for this script to be run first
 REPO_ID = "HuggingFaceFW/fineweb-edu"
@@ -32,18 +32,20 @@ REPO_ID = "HuggingFaceFW/fineweb-edu"
 def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, subset="sample-10BT", revision="main",
             shard_tokens=10**8, workers=None) -> dict:
     out_dir = Path(out_dir) if out_dir else Path(__file__).resolve().parent
-    if input_pattern:
-        source, settings = local_source(input_pattern), {"input": input_pattern}
-    else:
+    local = local_source(input_pattern) if input_pattern else None
+    settings = {"input": input_pattern} if local else {"repo": repo_id, "subset": subset, "revision": revision}
+    # a finished folder is checked before the hub is asked for its files (a rerun offline too)
+    meta = finished(out_dir, {**settings, **({"files": local.names} if local else {}), "shard_tokens": shard_tokens,
+                              "prefix": "fineweb"})
+    if meta is None:
         # sample-10BT lives in sample/10BT/, a dump in data/
         folder = f"sample/{subset.removeprefix('sample-')}/" if subset.startswith("sample-") else f"data/{subset}/"
-        source = hub_source(repo_id, hub_files(repo_id, revision, folder, "check --subset"), revision,
-                            out_dir / ".download")
-        settings = {"repo": repo_id, "subset": subset, "revision": revision}
-    meta = write_shards(source, out_dir, "fineweb", shard_tokens, os.cpu_count() if workers is None else workers,
-                        route=lambda doc: "stream",
-                        split_of_shard={"stream": lambda n: "val" if n == 0 else "train"},
-                        settings=settings)
+        source = local or hub_source(repo_id, hub_files(repo_id, revision, folder, "check --subset"), revision,
+                                     out_dir / ".download")
+        meta = write_shards(source, out_dir, "fineweb", shard_tokens, os.cpu_count() if workers is None else workers,
+                            route=lambda doc: "stream",
+                            split_of_shard={"stream": lambda n: "val" if n == 0 else "train"},
+                            settings=settings)
     print(f"{meta['documents']:,} documents: train {meta['train_tokens']:,} tokens in "
           f"{len(meta['shards']['train'])} shards, val {meta['val_tokens']:,} tokens -> {out_dir}")
     return meta

@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: make `data` importable from th
 import numpy as np
 
 from data.corpora import errors_exit_2
-from data.streaming import (count_documents, hub_files, hub_source, local_source, read_progress, shard_arguments,
+from data.streaming import (count_documents, finished, hub_files, hub_source, local_source, read_progress, shard_arguments,
                             write_shards)
 
 PREPARE_IN_TRAIN = False  # hours of downloading: train.py asks for this script to be run first
@@ -42,23 +42,27 @@ def val_documents(n_documents: int) -> set:
 def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, revision="main", shard_tokens=10**8,
             workers=None) -> dict:
     out_dir = Path(out_dir) if out_dir else Path(__file__).resolve().parent
-    if input_pattern:
-        source, settings = local_source(input_pattern), {"input": input_pattern}
-    else:
-        files = hub_files(repo_id, revision, "", "pass --revision (a branch with the parquet conversion) or --input")
-        source = hub_source(repo_id, files, revision, out_dir / ".download")
-        settings = {"repo": repo_id, "revision": revision}
-    counts = read_progress(out_dir)["counts"]
-    if len(counts) != len(source.names):  # the split needs the number of documents up front
-        counts = [count_documents(source.fetch(i)) for i in range(len(source.names))]
-    val = val_documents(sum(counts))
-    meta = write_shards(source, out_dir, "openwebtext", shard_tokens, os.cpu_count() if workers is None else workers,
-                        route=lambda doc: "val" if doc in val else "train",
-                        split_of_shard={"val": lambda n: "val", "train": lambda n: "train"},
-                        settings={**settings, "val_fraction": VAL_FRACTION, "split_seed": SPLIT_SEED},
-                        counts=counts)
-    print(f"{meta['documents']:,} documents ({len(val):,} val): train {meta['train_tokens']:,} tokens "
-          f"in {len(meta['shards']['train'])} shards, val {meta['val_tokens']:,} tokens -> {out_dir}")
+    local = local_source(input_pattern) if input_pattern else None
+    settings = {"input": input_pattern} if local else {"repo": repo_id, "revision": revision}
+    settings.update(val_fraction=VAL_FRACTION, split_seed=SPLIT_SEED)
+    # a finished folder is checked before the hub is asked for its files or a document is counted
+    meta = finished(out_dir, {**settings, **({"files": local.names} if local else {}), "shard_tokens": shard_tokens,
+                              "prefix": "openwebtext"})
+    if meta is None:
+        source = local or hub_source(repo_id, hub_files(repo_id, revision, "", "pass --revision (a branch with the "
+                                                        "parquet conversion) or --input"), revision, out_dir / ".download")
+        counts = read_progress(out_dir)["counts"]
+        if len(counts) != len(source.names):  # the split needs the number of documents up front
+            counts = [count_documents(source.fetch(i)) for i in range(len(source.names))]
+        val = val_documents(sum(counts))
+        meta = write_shards(source, out_dir, "openwebtext", shard_tokens,
+                            os.cpu_count() if workers is None else workers,
+                            route=lambda doc: "val" if doc in val else "train",
+                            split_of_shard={"val": lambda n: "val", "train": lambda n: "train"},
+                            settings=settings, counts=counts)
+    print(f"{meta['documents']:,} documents ({math.ceil(VAL_FRACTION * meta['documents']):,} val): train "
+          f"{meta['train_tokens']:,} tokens in {len(meta['shards']['train'])} shards, val {meta['val_tokens']:,} "
+          f"tokens -> {out_dir}")
     return meta
 
 
