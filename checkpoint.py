@@ -44,11 +44,15 @@ def save(state: dict, out_dir: Path, best: bool, rotate: bool = True):
         if full is None:
             raise
         raise OSError(errno.ENOSPC, full) from None
-    if last.exists() and rotate:
-        link_or_copy(last, out_dir / "previous.pt")
-    if best:  # before last.pt: killed in between, the resume redoes this step (best_val_loss is last.pt's)
-        link_or_copy(tmp, out_dir / "best.pt")
-    os.replace(tmp, last)
+    try:
+        if best:  # before last.pt: killed in between, the resume redoes this step (best_val_loss is last.pt's)
+            link_or_copy(tmp, out_dir / "best.pt")
+        if last.exists() and rotate:  # last: a copy that fails (no hard links, a full disk) leaves previous as it was
+            link_or_copy(last, out_dir / "previous.pt")
+        os.replace(tmp, last)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(out_dir)
 
 
@@ -94,8 +98,7 @@ def locked_out_dir(out_dir, world):
 def newest(paths: list) -> list:
     """The checkpoints among `paths` that exist, the most recently written first (not the
     highest step: a fresh run into a used out_dir makes the old run's last its previous), but
-    never a previous before its own format's last (a copy or a touch can make it look newer).
-    Nothing is read here: read_first reads each in turn and falls back past an unreadable one."""
+    never a previous before its own format's last (a copy or a touch can make it look newer)."""
     stamps = {p: (p / ".metadata" if (p / ".metadata").exists() else p).stat().st_mtime_ns  # a .dcp's commit
               for p in paths if p.exists()}
 
@@ -128,6 +131,8 @@ def read(path: Path, tensors: bool = True):
     a .dcp gives its plain values only."""
     if path.suffix == ".dcp":
         return sharded.read(path, tensors)
+    if not path.is_file():  # a FIFO would hang the read
+        raise UnreadableCheckpoint(f"cannot read checkpoint {path}: it is not a file")
     try:  # torch.load does not check the CRC-32 torch.save writes of each record: a flipped bit loads
         damaged = zipfile.ZipFile(path).testzip() if tensors else None
         if damaged is None:
@@ -155,26 +160,23 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
         raise ConfigError(f"{path} lacks {missing or 'a valid model_args/config'}: it was not "
                           f"written by this train.py")
     if ckpt["model_args"].get("vocab_size") != model_args["vocab_size"]:
-        raise ConfigError(
-            f"{path} was trained on a vocabulary of {ckpt['model_args'].get('vocab_size')} tokens, "
-            f"but the dataset now has {model_args['vocab_size']} (its meta.json): resume with the "
-            f"data it was trained on (dataset={ckpt['config'].get('dataset')!r}, "
-            f"data_dir={ckpt['config'].get('data_dir')!r}) or start afresh with --resume=never")
+        raise ConfigError(f"{path} was trained on a vocabulary of {ckpt['model_args'].get('vocab_size')} tokens, "
+                          f"but the dataset now has {model_args['vocab_size']} (its meta.json): resume with the data "
+                          f"it was trained on (dataset={ckpt['config'].get('dataset')!r}, data_dir="
+                          f"{ckpt['config'].get('data_dir')!r}) or start afresh with --resume=never")
     vocab = ckpt["vocab"] if "vocab" in ckpt else saved_vocabulary(path.parent / "meta.json")  # older files: beside
     if meta is not None and isinstance(vocab, dict) and any(vocab[k] != meta.get(k) for k in vocab):
-        raise ConfigError(
-            f"{path} was trained on another vocabulary than the dataset's (same size, other tokens): resume with "
-            f"the data it was trained on (data_dir={ckpt['config'].get('data_dir')!r}) or start afresh with "
-            f"--resume=never")
+        raise ConfigError(f"{path} was trained on another vocabulary than the dataset's (same size, other tokens): "
+                          f"resume with the data it was trained on (data_dir={ckpt['config'].get('data_dir')!r}) "
+                          f"or start afresh with --resume=never")
     saved = {**dataclasses.asdict(GPTConfig()), **ckpt["model_args"]}  # older files lack newer fields
     diff = {k: (saved.get(k), v) for k, v in model_args.items() if k != "dropout" and saved.get(k) != v}
     if diff:
         raise ConfigError(f"{path} holds another model shape (checkpoint, now): {diff}")
     for name in ("global_batch_size", "seed"):
         if ckpt["config"].get(name) != getattr(cfg, name):
-            raise ConfigError(
-                f"{path} was trained with {name}={ckpt['config'].get(name)}; resuming with "
-                f"{getattr(cfg, name)} would change the data order: keep {name} or use --resume=never")
+            raise ConfigError(f"{path} was trained with {name}={ckpt['config'].get(name)}; resuming with "
+                              f"{getattr(cfg, name)} would change the data order: keep {name} or use --resume=never")
     if problem := malformed(ckpt, model_args, cfg):
         raise ConfigError(f"{path}: {problem}: it was not written by this train.py as it is (edited by hand?)")
     ckpt["path"] = str(path)
@@ -198,8 +200,12 @@ def malformed(ckpt: dict, model_args: dict, cfg: Config):
     loader, number, world_size = ckpt["loader"], lambda v: type(v) in (int, float), ckpt["world_size"]
     if type(ckpt["step"]) is not int or ckpt["step"] < 0 or type(world_size) is not int or world_size < 1:
         return f"step {ckpt['step']!r} or world_size {world_size!r} is not a whole number"
-    if not number(ckpt["best_val_loss"]) or not isinstance(ckpt["scaler"], dict):
-        return f"best_val_loss {ckpt['best_val_loss']!r} or the scaler's state is not one"
+    if type(ckpt.get("hellaswag_step", 0)) is not int:
+        return f"hellaswag_step {ckpt['hellaswag_step']!r} is not a whole number"
+    scaler, keys = ckpt["scaler"], {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+    if not number(ckpt["best_val_loss"]) or not (scaler == {} or isinstance(scaler, dict) and set(scaler) == keys and
+                                                 all(number(v) and v >= 0 for v in scaler.values()) and scaler["scale"]):
+        return f"best_val_loss {ckpt['best_val_loss']!r} or the scaler's state {scaler!r} is not one"
     if not (isinstance(loader, dict) and all(type(loader.get(k)) is int for k in ("epoch", "position"))
             and loader["epoch"] >= -1 and loader["position"] >= 0 and loader["position"] % cfg.global_batch_size == 0):
         return (f"loader {loader!r} is not an epoch (-1 before the first) and a position that is a multiple "
@@ -264,10 +270,9 @@ def read_first(paths: list, use):
 
 
 def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
-    """The checkpoint this run continues from (rank 0's; the others get its plain values), once
-    restore(ckpt) took it on every rank; or None. With resume=auto a damaged newest one falls back
-    to the next newest (last -> previous): a .pt as rank 0 reads it, a sharded one when every
-    rank's reading its shards in restore fails (DCP tells every rank)."""
+    """The checkpoint this run continues from (rank 0's; the others get its plain values), once restore(ckpt)
+    took it on every rank; or None. A damaged newest one falls back to the next newest (last -> previous):
+    a .pt as rank 0 reads it, a sharded one when the ranks' reading of their shards in restore fails."""
     damaged = {}
     while True:
         ckpt = on_rank0(lambda: load_for_resume(cfg, model_args, damaged, meta), world, ("model", "optimizer", "rng"))
@@ -285,8 +290,7 @@ def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
 
 
 def load_for_resume(cfg: Config, model_args: dict, damaged: dict, meta: dict = None):
-    """Rank 0: the checkpoint to continue from (read and checked), or None; past those in `damaged`
-    (path -> why), and past a .pt it cannot read."""
+    """Rank 0: the checkpoint to continue from, read and checked, past those in `damaged` (path -> why); or None."""
     paths = [p for p in find(cfg) if str(p) not in damaged]
     if damaged and not paths:
         raise UnreadableCheckpoint(list(damaged.values())[-1])
@@ -295,10 +299,8 @@ def load_for_resume(cfg: Config, model_args: dict, damaged: dict, meta: dict = N
 
 def add_source_args(parser):
     """sample.py's and eval.py's --out_dir and --init_from: where the model comes from."""
-    parser.add_argument("--out_dir", default="out", help="a training run's folder: its best (else last) "
-                                                         "checkpoint, .pt or .dcp, and meta.json")
-    parser.add_argument("--init_from", default="", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a Hugging "
-                                                        "Face GPT-2 folder, instead of a checkpoint in --out_dir")
+    parser.add_argument("--out_dir", default="out", help="a run's folder: its best (else last) checkpoint, meta.json")
+    parser.add_argument("--init_from", default="", help="gpt2, gpt2-medium, -large, -xl or a Hugging Face folder")
 
 
 def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
@@ -317,7 +319,7 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
             held = sum(v.numel() for k, v in ckpt["model"].items() if k != "lm_head.weight")  # (wte's, tied)
             if config.n_params != held:  # before building it: an edited shape could ask for terabytes
                 raise ValueError(f"its model_args describe {config.n_params:,} parameters, its weights hold {held:,}")
-            if not all(torch.isfinite(w).all() for w in ckpt["model"].values()):  # a sharded one has no checksums
+            if not all(torch.isfinite(w).all() for w in ckpt["model"].values()):  # (rewritten by other code)
                 raise ValueError("its weights hold NaN or inf")
             model = GPT(config)
             model.load_state_dict(ckpt["model"])

@@ -33,6 +33,8 @@ def first_line(e: BaseException, limit: int = 200) -> str:
 
 def load_failure(e: BaseException) -> str:
     """Why torch.load could not read a file, in one line, never torch's advice to load it unsafely."""
+    if isinstance(e, UnreadableCheckpoint):  # already says why
+        return str(e)
     if str(e).startswith("Weights only load failed"):
         return "it is damaged, or holds objects that would run code when loaded, which weights_only=True refuses"
     return f"{type(e).__name__}: {first_line(e)}"

@@ -139,8 +139,8 @@ class Run:
                                      ckpt["optimizer"] or {})
         for group, mine in zip(self.optimizer.param_groups, chosen):  # AdamW as this run set it, not as saved
             group.update(mine)
-        self.step, self.best_val_loss, self.resumed_from = ckpt["step"], ckpt["best_val_loss"], ckpt["path"]
-        self.saved = (Path(ckpt["path"]).name, self.step)
+        self.step, self.best_val_loss, self.val_loss = ckpt["step"], ckpt["best_val_loss"], ckpt.get("val_loss")
+        self.resumed_from, self.saved = ckpt["path"], (Path(ckpt["path"]).name, ckpt["step"])
         if ckpt["scaler"] or not self.scaler.is_enabled():  # a disabled scaler ignores a saved one
             self.scaler.load_state_dict(ckpt["scaler"])
         elif self.world.is_master:  # the dtype changed to float16 on this resume

@@ -35,7 +35,7 @@ def main(argv=None):
     state = checkpoint.read(args.source)
     if missing := [k for k in checkpoint.REQUIRED if k not in state]:
         raise ConfigError(f"{args.source} lacks {missing}: it was not written by this train.py")
-    try:  # what a resume checks of it (DCP keeps no checksums: a damaged shard reads as any numbers)
+    try:  # what a resume checks of it, and finite numbers (a folder other code rewrote)
         cfg = Config(**{k: v for k, v in state["config"].items() if k in FIELD_TYPES})
         tensors = [*state["model"].values(), *(t for s in state["optimizer"]["state"].values() for t in s.values())]
         problem = checkpoint.malformed(state, state["model_args"], cfg) or (

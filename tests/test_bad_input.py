@@ -155,6 +155,9 @@ def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_prev
     (lambda ck: ck["model"].update(extra=torch.zeros(1)), "model weight extra is missing, not this model's"),
     ({"rng": None}, "rng is not an RNG state for each of world_size=1 ranks"),
     ({"val_loss": torch.tensor(1.0)}, "a value beside the tensors is not plain data"),  # broken JSON for rank 1
+    ({"scaler": {"scale": "x"}}, "the scaler's state {'scale': 'x'} is not one"),  # float16: once a traceback
+    ({"hellaswag_step": 2.5}, "hellaswag_step 2.5 is not a whole number"),
+    ("fifo", "it is not a file"),  # once a hang
 ])
 def test_bad_checkpoints_are_clear_errors_naming_the_file(trained_copy, tmp_path, script, problem, message):
     """(a dict: a checkpoint with those values changed)"""
@@ -163,6 +166,8 @@ def test_bad_checkpoints_are_clear_errors_naming_the_file(trained_copy, tmp_path
     overrides = {}
     if problem == "random bytes":
         path.write_bytes(os.urandom(4096))
+    elif problem == "fifo":
+        os.mkfifo(path)
     elif problem == "other shape":
         shutil.copy(out / "last.pt", path)
         overrides = {"n_embd": 64}
@@ -236,12 +241,13 @@ def test_a_kill_while_best_is_written_leaves_last_one_save_behind(trained_copy, 
     def killed(src, dst):
         raise Killed(dst)
     out = trained_copy
-    before = (out / "last.pt").read_bytes()
+    before, previous = (out / "last.pt").read_bytes(), (out / "previous.pt").read_bytes()
     monkeypatch.setattr(checkpoint, "link_or_copy", lambda src, dst: killed(src, dst) if dst.name == "best.pt"
                         else link_or_copy(src, dst))
-    with pytest.raises(Killed):
+    with pytest.raises(Killed):  # (or a copy to best.pt that fails: no hard links, a full disk)
         checkpoint.save({"step": 11}, out, best=True)
     assert (out / "last.pt").read_bytes() == before
+    assert (out / "previous.pt").read_bytes() == previous and not list(out.glob(".*.tmp"))  # not rotated yet
     for folder, step in (("last.dcp", 10), (sharded.TMP, 11)):  # as a sharded save leaves them to commit
         (out / folder).mkdir()
         (out / folder / "run.json").write_text(json.dumps({"step": step}))

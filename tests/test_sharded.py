@@ -96,6 +96,10 @@ def damage(kind: str, last: Path):
             f.truncate(1000)
     elif kind == "a part's data zeroed":  # complete by its size: only reading its tensors finds it
         (last / "__0_0.distcp").write_bytes(bytes((last / "__0_0.distcp").stat().st_size))
+    elif kind == "a bit flipped in a part":  # its tensors load: only their CRC-32 tells
+        data = bytearray((last / "__0_0.distcp").read_bytes())
+        data[len(data) // 2] ^= 1
+        (last / "__0_0.distcp").write_bytes(data)
     elif kind == "metadata that runs code":
         (last / ".metadata").write_bytes(pickle.dumps(Exploit()))
     elif kind == "metadata of other types":  # DCP's own classes, holding what they never hold
@@ -113,8 +117,8 @@ def damage(kind: str, last: Path):
     ("no metadata", ".metadata is missing; the save that wrote it did not finish"),
     ("a rank's part missing", "__0_0.distcp (one rank's part) is missing"),
     ("a part cut short", "__0_0.distcp is cut short"),
-    ("a part's data zeroed", "rank 0: it is damaged, or holds objects that would run code when loaded, "
-                             "which weights_only=True refuses"),
+    ("a part's data zeroed", "rank 0: __0_0.distcp is damaged at byte 0: not what torch.save writes"),
+    ("a bit flipped in a part", "fails its CRC-32 check"),
     ("metadata that runs code", "it names pathlib.Path.touch"),
     ("metadata garbage", "its metadata is damaged"),
     ("metadata of other types", "its metadata is damaged (AttributeError: 'int' object has no attribute"),
@@ -171,7 +175,7 @@ def test_the_converter_checks_a_folder_before_writing(sharded, tmp_path, script,
     ran = script("scripts/convert_checkpoint.py", out / "last.dcp", tmp_path / "x.pt")
     assert ran.returncode == 2 and ran.stderr == (f"error: {out / 'last.dcp'}: step [1, 1, 1] or world_size {{'a': 1}} "
                                                   f"is not a whole number: nothing converted\n"), ran.stderr
-    # DCP keeps no checksums: a damaged shard reads as any bytes, a NaN moment among them
+    # a shard rewritten whole (its CRC-32 right) with a NaN moment
     import checkpoint
     real = checkpoint.read
 

@@ -40,6 +40,8 @@ def test_resume_ends_bit_identical_to_an_uninterrupted_run(char_data, tmp_path, 
     assert a["loader"] == b["loader"] and b["step"] == 24 and a["scaler"] == b["scaler"]
     losses = lambda d: [(r["step"], r["loss"]) for r in metrics(d) if "loss" in r]
     assert losses(straight) == losses(legs)  # the resumed log continues, no replayed steps
+    again = train_here(char_data, legs, **{**common, "resume": "auto"})  # at max_iters: nothing left to do
+    assert again["step"] == 24 and again["val_loss"] == b["val_loss"] is not None  # as the checkpoint says
 
 
 def test_a_resume_from_another_folder_keeps_that_runs_log(char_data, tmp_path):
