@@ -203,7 +203,7 @@ def validate(cfg: Config) -> Config:
     for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "global_batch_size",
                  "eval_interval", "eval_iters", "log_interval", "pad_vocab_to"):
         need(getattr(cfg, name) > 0, f"{name} must be positive, got {getattr(cfg, name)}")
-    for name in ("max_iters", "warmup_iters", "weight_decay", "grad_clip", "hellaswag_interval", "seed"):
+    for name in ("max_iters", "warmup_iters", "weight_decay", "grad_clip", "hellaswag_interval", "seed", "peak_flops"):
         need(getattr(cfg, name) >= 0, f"{name} must be >= 0, got {getattr(cfg, name)}")
     need(cfg.n_embd % cfg.n_head == 0,
          f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
@@ -212,8 +212,8 @@ def validate(cfg: Config) -> Config:
          f"learning_rate must be a positive number, got {cfg.learning_rate}")
     need(cfg.min_lr is None or 0 <= cfg.min_lr <= cfg.learning_rate,
          f"min_lr must be in [0, learning_rate={cfg.learning_rate}], got {cfg.min_lr}")
-    need(cfg.lr_decay_iters is None or cfg.lr_decay_iters > 0,
-         f"lr_decay_iters must be positive or None, got {cfg.lr_decay_iters}")
+    need(cfg.lr_decay_iters is None or cfg.lr_decay_iters >= max(1, cfg.warmup_iters),  # (None: max_iters)
+         f"lr_decay_iters must be None or at least warmup_iters ({cfg.warmup_iters}) and 1, got {cfg.lr_decay_iters}")
     need(0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1,
          f"beta1 and beta2 must be in [0, 1), got {cfg.beta1} and {cfg.beta2}")
     need(0 < cfg.dist_timeout <= 1e6, f"dist_timeout must be positive seconds, at most 1e6 (11 days), "

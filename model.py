@@ -240,7 +240,7 @@ class GPT(nn.Module):
         """
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        if temperature < 0:
+        if not temperature >= 0:  # (nor NaN)
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")

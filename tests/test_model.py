@@ -205,6 +205,7 @@ def test_top_k_larger_than_vocab_is_clamped():
 
 @pytest.mark.parametrize("kwargs", [dict(max_new_tokens=0), dict(max_new_tokens=-1),
                                     dict(max_new_tokens=5, temperature=-0.5),
+                                    dict(max_new_tokens=5, temperature=float("nan")),
                                     dict(max_new_tokens=5, top_k=0)])
 def test_generate_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
