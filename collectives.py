@@ -64,14 +64,14 @@ def agree_or_raise(error, world, elsewhere: str = None):
         raise ConfigError((error or elsewhere) if elsewhere else first_error(error, world))
 
 
-def differs_from_rank0(settings: dict, world, per_host: tuple = ()):
+def differs_from_rank0(settings: dict, world, per_host: tuple = (), what: str = "config"):
     """None where this rank's settings (plain values) equal rank 0's, but for the per_host names
     (paths, devices); else a message naming each that differs. Ranks started with different
     configs would train on silently apart, or fail later in a collective that does not match."""
     mine = json.loads(json.dumps({k: v for k, v in settings.items() if k not in per_host}))
     rank0 = broadcast_json(mine, world)
     diff = [f"{k}={v!r} (rank 0: {rank0.get(k)!r})" for k, v in mine.items() if v != rank0.get(k)]
-    return f"rank {world.rank} was started with {', '.join(diff)}: give every rank the same config" if diff else None
+    return f"rank {world.rank} was started with {', '.join(diff)}: give every rank the same {what}" if diff else None
 
 
 def on_rank0(read, world, rank0_only: tuple = ()):

@@ -123,8 +123,9 @@ class GroupNotFormed(RunError):
         super().__init__(
             f"rank {rank} on {socket.gethostname()} could not form the process group of {world_size} "
             f"ranks at {address} within dist_timeout={dist_timeout:g}s ({first_line(e, 300)}). Check "
-            f"that every host started its ranks with the same MASTER_ADDR, MASTER_PORT and "
-            f"WORLD_SIZE; that {address} is reachable from every host (address, port, firewall); and "
+            f"that no rank stopped before joining (an error only it saw, such as a config given to it "
+            f"alone: see its output); that every host started its ranks with the same MASTER_ADDR, "
+            f"MASTER_PORT and WORLD_SIZE; that {address} is reachable from every host (address, port, firewall); and "
             f"that GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name the network interface that links "
             f"the hosts.")
 

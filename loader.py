@@ -20,7 +20,7 @@ import torch
 from config import Config
 from data.dataset import Shard, check_token_files, has_tokens, load_meta, split_shards
 from errors import BadTokenId, ConfigError
-from collectives import agree_or_raise
+from collectives import agree_or_raise, differs_from_rank0
 
 REPO = Path(__file__).resolve().parent
 
@@ -225,4 +225,6 @@ class Dataset:
             except ConfigError as e:
                 error = str(e)
         agree_or_raise(error, world, "the dataset check failed on another rank: see its message")
+        same = {k: self.meta.get(k) for k in ("vocab_size", "tokenizer", "chars", "train_tokens", "val_tokens")}
+        agree_or_raise(differs_from_rank0(same, world, what="dataset (each host's data_dir)"), world)
         return self.meta
