@@ -54,14 +54,6 @@ def check(args):
         raise ConfigError(f"out_dir {args.out_dir} does not exist: train first (python train.py) or pass --out_dir")
 
 
-def load_model(args, device) -> tuple:
-    """(model in eval mode, its meta, a name for it) through the repo's one loader of each kind."""
-    if args.init_from:
-        return *pretrained.load_for_text(args.init_from, device), args.init_from
-    model, meta, path, step = checkpoint.load_model(Path(args.out_dir), device)
-    return model, meta, f"{path} (step {step})"
-
-
 def val_split(args, model) -> tuple:
     """(tokens, window starts) of --dataset's val split, checked against the model's vocabulary."""
     cfg = Config(dataset=args.dataset, data_dir=args.data_dir, block_size=model.config.block_size)
@@ -81,7 +73,7 @@ def main(argv=None):
             collective_failures_explained(world, args.dist_timeout, lambda: "during the evaluation"):
         error = None
         try:  # a rank whose copy of something is missing stops every rank, with its message
-            model, meta, name = load_model(args, world.device)
+            model, meta, name = pretrained.load_for_text(args.init_from, args.out_dir, world.device)
             hellaswag.check_tokenizer(meta, name)
             val = val_split(args, model) if args.dataset or args.data_dir else None
             examples = hellaswag.load(args.hellaswag, model.config.block_size, args.limit)

@@ -232,15 +232,19 @@ def load_gpt(init_from: str, device="cpu", shape: dict = None) -> GPT:
     return model.eval().to(device)
 
 
-def load_for_text(init_from: str, device) -> tuple:
-    """(load_gpt's model, its tokenizer's meta) for sample.py and eval.py: a Hugging Face folder
-    brings no tokenizer here but GPT-2's BPE, so its vocabulary must be GPT-2's."""
+def load_for_text(init_from: str, out_dir, device) -> tuple:
+    """(model in eval mode, its tokenizer's meta, a name for it) for sample.py and eval.py: a training
+    run's checkpoint in out_dir, or (init_from) GPT-2's weights. A Hugging Face folder brings no
+    tokenizer here but GPT-2's BPE, so its vocabulary must be GPT-2's."""
+    if not init_from:
+        model, meta, path, step = checkpoint.load_model(Path(out_dir), device)
+        return model, meta, f"{path} (step {step})"
     shape = read_shape(locate(init_from))  # refused before its weights are read
     if shape["vocab_size"] != GPT2_VOCAB_SIZE:
         raise ConfigError(f"{init_from} has a vocabulary of {shape['vocab_size']} tokens, not GPT-2's BPE "
                           f"({GPT2_VOCAB_SIZE}), the one tokenizer --init_from reads text with: use the run's "
                           f"checkpoint and meta.json instead (--out_dir)")
-    return load_gpt(init_from, device, shape), {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE}
+    return load_gpt(init_from, device, shape), {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE}, init_from
 
 
 def export(model: GPT, folder, gpt2_tokenizer: bool):

@@ -91,17 +91,14 @@ def main(argv=None):
     args = parse_args(argv)
     check(args)
     device = pick_device(args.device, World())
-    if args.init_from:
-        (model, meta), path, step = pretrained.load_for_text(args.init_from, device), args.init_from, 0
-    else:
-        model, meta, path, step = checkpoint.load_model(Path(args.out_dir), device)
+    model, meta, name = pretrained.load_for_text(args.init_from, args.out_dir, device)
     try:
         encode, decode = tokenizer_from_meta(meta)
         prompt = encode(read_prompt(args.start))
     except (ValueError, RuntimeError) as e:  # characters outside a char vocabulary; no GPT-2 BPE
         default = " (the default --start, a newline: give --start=TEXT)" if args.start == "\n" else ""
         raise ConfigError(f"{e}{default}") from None
-    print(f"# {path} (step {step}), seed {args.seed}", file=sys.stderr)
+    print(f"# {name}, seed {args.seed}", file=sys.stderr)
 
     if hasattr(sys.stdout, "reconfigure"):  # a character the terminal's encoding lacks: \x.. escapes, not a traceback
         sys.stdout.reconfigure(errors="backslashreplace")
