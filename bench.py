@@ -1,6 +1,6 @@
 """Measure training speed: throughput, step time, communication, memory, MFU and scaling.
 
-    python bench.py                                        # the default config on 1 and 2 processes
+    python bench.py                                        # the default config's shape on 1 and 2 processes
     python bench.py --nproc=1,2,4 --batch_size=8 --steps=20 --report=bench/cpu
     python bench.py configs/gpt_small.py --nproc=1 --steps=30 --warmup=10 --report=bench/h100
     python bench.py configs/gpt_small.py --nproc=1 --profile  # also: where a step's time goes
@@ -12,8 +12,9 @@ which builds the model, optimizer, scaler and loader with train.py's build_run a
 train.py's own optimizer step. Warm-up steps (compilation included) are not timed. On one
 process fsdp has nothing to shard and runs as ddp, so its row repeats ddp's measurement.
 
-The data is synthetic by default (uniform random GPT-2 token ids), so no dataset is needed;
-give --dataset=NAME or --data_dir=DIR to read real data. Under another launcher (several
+The data is synthetic by default (uniform random GPT-2 token ids: GPT-2's vocabulary, whatever
+a config file's dataset), so no dataset is needed; give --dataset=NAME or --data_dir=DIR to read
+real data. Under another launcher (several
 hosts, SLURM), run the worker with it: `torchrun ... bench.py --worker --result=FILE ...`;
 rank 0 writes the run's figures to FILE.
 
@@ -173,7 +174,8 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
                                            cfg.peak_flops or None) if device.type == "cuda" else None,
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             dtype=str(world.dtype).removeprefix("torch."), backend=world.backend, compile=cfg.compile,
-            config=cfg.to_dict(), data="synthetic" if synthetic_dir else str(cfg.data_dir or cfg.dataset))
+            config=cfg.to_dict(), data="synthetic" if synthetic_dir else str(cfg.data_dir or cfg.dataset),
+            vocab_size=run.model_args["vocab_size"], n_params=run.raw_model.get_num_params())
         if world.is_master:
             result.write_text(json.dumps(figures, indent=1))
 
@@ -204,8 +206,9 @@ def add_scaling(rows: list):
 def markdown(rows: list, info: dict) -> str:
     gib = lambda b: f"{b / 2**30:.2f} GiB"
     pct = lambda v: "-" if v is None else f"{v * 100:.1f}%"
-    lines = [f"{info['device']} | torch {info['torch']} | {info['host']} | {info['data']} data | "
-             f"dtype {info['dtype']} | compile {info['compile']}", "",
+    lines = [f"{info['device']} | torch {info['torch']} | {info['host']} | {info['data']} data "
+             f"({info['vocab_size']:,} tokens) | {info['n_params'] / 1e6:.2f}M parameters | dtype {info['dtype']} | "
+             f"compile {info['compile']}", "",
              "| strategy | processes | global batch (accum) | tokens/s | step time | comm share | "
              f"memory per rank ({info['memory_kind']}) | model state per rank | MFU | scaling efficiency |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -232,9 +235,7 @@ def plot(rows: list, path: Path, title: str):
     nprocs = sorted({r["nproc"] for r in rows})
     ax2.axhline(100, color="grey", linestyle=":", label="ideal")
     for ax, ylabel in ((ax1, "tokens / s"), (ax2, "scaling efficiency (%)")):
-        ax.set_xlabel("processes")
-        ax.set_ylabel(ylabel)
-        ax.set_xticks(nprocs)
+        ax.set(xlabel="processes", ylabel=ylabel, xticks=nprocs)
         ax.grid(alpha=0.3)
         ax.legend()
     ax1.set_ylim(bottom=0)
@@ -332,10 +333,9 @@ def measure(strategies: list, nprocs: list, cfg_args: list, steps: int, warmup: 
 
 def write_report(rows: list, report: Path, steps: int, warmup: int, args: list):
     first = rows[0]["raw"]
-    info = dict(torch=torch.__version__, device=first["device"], host=socket.gethostname(),
-                data=first["data"], dtype=first["dtype"], compile=first["compile"],
-                memory_kind=first["memory_kind"], steps=steps, warmup=warmup,
-                command=" ".join(["python", "bench.py", *args]), cpus=os.cpu_count())
+    info = dict(torch=torch.__version__, host=socket.gethostname(), steps=steps, warmup=warmup, cpus=os.cpu_count(),
+                **{k: first[k] for k in ("device", "data", "vocab_size", "n_params", "dtype", "compile", "memory_kind")},
+                command=" ".join(["python", "bench.py", *args]))
     (report / "bench.json").write_text(json.dumps({"info": info, "config": first["config"],
                                                    "runs": rows}, indent=1) + "\n")
     table = markdown(rows, info)

@@ -37,7 +37,7 @@ class Logger:
         self.enabled, self.max_iters = enabled, cfg.max_iters
         self.tokens_per_step, self.estimate_mfu = cfg.tokens_per_step, estimate_mfu
         self.bar = self.wandb = self.failure = None  # failure: why metrics.jsonl could not be written
-        self.wandb_failure = None  # why wandb could not start: a config problem, agreed in start()
+        self.start_failure = None  # why wandb could not start, or the history not be read: agreed in start()
         self.restart_clock(step)
         if not enabled:
             return
@@ -47,14 +47,18 @@ class Logger:
                 self.wandb = wandb.init(project=cfg.wandb_project, config=cfg.to_dict(), dir=cfg.out_dir,
                                         name=cfg.wandb_run_name or Path(cfg.out_dir).name)
             except Exception as e:  # no API key, no network, not installed
-                self.wandb_failure = (f"wandb could not start ({type(e).__name__}: {first_line(e)}): run `wandb "
+                self.start_failure = (f"wandb could not start ({type(e).__name__}: {first_line(e)}): run `wandb "
                                       f"login`, or set WANDB_MODE=offline, or use --wandb_log=false")
                 return  # a run refused leaves out_dir's log as it was
         self.metrics = Path(cfg.out_dir) / "metrics.jsonl"
         # a fresh run starts a new log; a resumed one keeps the history of its checkpoint (the log beside
         # it, here or in the folder it came from) up to its step, and drops the steps it runs again
         history = Path(resumed_from).parent / "metrics.jsonl" if resumed_from else None
-        rows = read_metrics(history, "dropped") if history and history.is_file() else []  # (a FIFO would hang)
+        try:
+            rows = read_metrics(history, "dropped") if history and history.is_file() else []  # (a FIFO would hang)
+        except OSError as e:  # another user's
+            self.start_failure = f"cannot read {history}, the log this run continues ({e.strerror or e})"
+            return
         if self.metrics.exists() and not self.metrics.is_file():  # a folder, a FIFO
             self.failure = f"could not write {self.metrics} (it is not a file)"
         elif self.metrics.exists() or rows:
@@ -85,7 +89,7 @@ class Logger:
                   (lambda steps, seconds: raw_model.estimate_mfu(cfg.batch_size * world.accum * steps, seconds,
                                                                  cfg.peak_flops or None))
                   if on_gpu else None)
-        agree_or_raise(log.wandb_failure, world)
+        agree_or_raise(log.start_failure, world)
         log.write_run_files(cfg, meta, dict(
             torch=torch.__version__, python=sys.version.split()[0], world_size=world.size,
             device=torch.cuda.get_device_name(world.device) if on_gpu else world.device.type,

@@ -274,7 +274,8 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
         for made in sorted(Path(tmp).iterdir()):
             os.replace(made, folder / made.name)
     # files an earlier export or download left there would describe another model (or tokenizer)
-    stale = ("pytorch_model.bin", "tokenizer.json") + (() if gpt2_tokenizer else TOKENIZER_FILES)
+    stale = ("pytorch_model.bin", "tokenizer.json", "generation_config.json") + (
+        () if gpt2_tokenizer else TOKENIZER_FILES)
     for name in stale:
         (folder / name).unlink(missing_ok=True)
     fsync_dir(folder)

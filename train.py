@@ -58,8 +58,7 @@ def get_lr(step: int, cfg: Config) -> float:
 
 
 def accumulate_gradients(model, raw_model, loader, accum: int, autocast, scaler, sync: bool = True):
-    """Forward and backward over `accum` micro-batches; return this rank's mean loss (a tensor).
-    sync=False skips the gradient all-reduce altogether (bench.py times the step without it)."""
+    """Forward and backward over `accum` micro-batches (sync=False: no all-reduce, for bench.py); the mean loss."""
     step_loss = 0.0
     for micro in range(accum):
         x, y = loader.next_batch()
@@ -157,7 +156,8 @@ class Run:
         every = self.cfg.hellaswag_interval
         return every > 0 and (self.step % every == 0 or at_end) and self.step > self.hellaswag_step
 
-    def save(self, best: bool):
+    def save(self, best: bool, log: Logger):
+        log.check(self.world, self.saved)  # no checkpoint past a log line that was lost (a resume would skip it)
         if not parallel.all_finite(self.raw_model, self.world):  # the same answer on every rank
             raise Diverged(f"the weights hold NaN or inf at step {self.step}", self.cfg.learning_rate, self.saved)
         self.wait_for_save()  # at most one background save in flight
@@ -259,7 +259,7 @@ def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
              "tokens_seen": run.step * cfg.tokens_per_step},
             f"step {run.step}: train loss {losses['train']:.4f}, val loss {run.val_loss:.4f}")
     if run.step > start_step and (cfg.always_save_checkpoint or improved or at_end):
-        run.save(best=improved)
+        run.save(improved, log)
     log.restart_clock(run.step)
 
 
@@ -311,7 +311,7 @@ def train(cfg: Config, world: World, dataset: Dataset) -> dict:
                 if signum and run.step < cfg.max_iters:  # the last step still evaluates and saves
                     stopped = signum
                     if run.step % cfg.eval_interval:  # (an eval step is evaluated at the loop's top, then saved)
-                        run.save(best=False)
+                        run.save(False, log)
                         break
             log.advance(run.step)
         run.wait_for_save()

@@ -61,7 +61,12 @@ def atomic_write(path, write) -> None:
     """Call write(file) so that readers of `path` see the old file or the new one, never a part."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(write_temp(path, write), path)
+    tmp = write_temp(path, write)
+    try:
+        os.replace(tmp, path)
+    except BaseException:  # (path is a folder, say): no whole copy left behind under another name
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)  # make the rename itself durable
 
 

@@ -490,6 +490,19 @@ def test_a_metrics_jsonl_that_is_not_a_file_is_one_line(char_data, tmp_path, scr
     assert proc.stderr.count("\n") == 1
 
 
+def test_a_log_history_that_cannot_be_read_is_one_line(char_data, tmp_path, script, monkeypatch):
+    import logger
+    out = tmp_path / "out"
+    assert script("train.py", *tiny_args(char_data, out, max_iters=2, eval_interval=2)).returncode == 0
+
+    def unreadable(path, verb):  # (another user's file: root reads any)
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(logger, "read_metrics", unreadable)
+    proc = script("train.py", *tiny_args(char_data, out, max_iters=4, eval_interval=2, resume="auto"))
+    assert proc.returncode == 2 and proc.stderr == (f"error: cannot read {out}/metrics.jsonl, the log this run "
+                                                    f"continues (Permission denied)\n"), proc.stderr
+
+
 def test_help_lists_every_config_name_with_its_default(capsys):
     import train_spawn
     train.cli(["--help"])

@@ -36,10 +36,14 @@ def test_bench_writes_json_markdown_and_png(report):
     folder, stdout = report
     data = json.loads((folder / "bench.json").read_text())
     assert {"torch", "device", "host", "command", "cpus"} <= data["info"].keys()
+    from model import GPT, GPTConfig  # what was measured: tiny.py's shape, on synthetic data's GPT-2 vocabulary
+    n_params = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=50257)).get_num_params()
+    assert (data["info"]["vocab_size"], data["info"]["n_params"]) == (50257, n_params)
     assert data["config"]["n_layer"] == 2 and data["config"]["global_batch_size"] == 8
     assert [(r["strategy"], r["nproc"]) for r in data["runs"]] == [("ddp", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2)]
     table = (folder / "bench.md").read_text()
     assert "python bench.py" in table and table.count("\n| ddp |") == 2 and table.count("\n| fsdp |") == 2
+    assert f"synthetic data (50,257 tokens) | {n_params / 1e6:.2f}M parameters |" in table
     assert_png(folder / "bench.png")
     assert "report:" in stdout
     # a profile of each run launched (one process of fsdp is measured as ddp), not only of the last

@@ -90,6 +90,14 @@ def test_char_tokenizer_round_trip_and_unknown_characters():
         encode("abZcé")
 
 
+def test_an_atomic_write_that_cannot_be_renamed_leaves_no_temporary(tmp_path):
+    from data.files import atomic_write_bytes
+    (tmp_path / "x.pt").mkdir()
+    with pytest.raises(IsADirectoryError):
+        atomic_write_bytes(tmp_path / "x.pt", b"data")
+    assert [p.name for p in tmp_path.iterdir()] == ["x.pt"]
+
+
 def test_load_meta_names_the_missing_dataset_and_how_to_prepare_it(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"meta\.json not found: prepare the dataset first \(python "
                                                 r"data/shakespeare_char/prepare\.py --out_dir "):

@@ -24,7 +24,7 @@ import checkpoint
 import sample
 import train
 from config import resolve
-from errors import ConfigError
+from errors import ConfigError, LogNotWritten
 from harness import REPO, child_env, run_world, tiny_args
 from model import GPTConfig
 
@@ -105,6 +105,33 @@ def test_a_log_or_checkpoint_cut_at_any_byte_never_blocks_a_resume(char_data, tm
         f.write('{"step": null}\n{"step": "x"}\n[]\n')
     code, printed, err = train_cli(capsys, char_data, out, max_iters=12, eval_interval=5)
     assert code == 0 and "warning: dropped 3 unreadable lines" in printed, err
+
+
+def test_a_log_line_that_could_not_be_written_stops_the_run_before_a_checkpoint_passes_it(
+        char_data, tmp_path, monkeypatch):
+    """The val row of step 4 is lost (a disk full for a moment): a checkpoint of step 4 would make a resume
+    start past it, and the log would lack it for good. The run stops instead, with no checkpoint past it."""
+    import logger
+    real_open = open
+
+    class FullForTheRow:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            if '"step": 4,' in text and "val_loss" in text:
+                raise OSError(28, "No space left on device")
+            return self.f.write(text)
+    monkeypatch.setattr(logger, "open", lambda path, mode="r": FullForTheRow(real_open(path, mode)), raising=False)
+    with pytest.raises(LogNotWritten, match=r"could not write .*metrics\.jsonl \(No space left on device\)"):
+        train.main(resolve(tiny_args(char_data, tmp_path / "out", max_iters=8, eval_interval=4, log_interval=1)))
+    assert not (tmp_path / "out" / "last.pt").exists()
 
 
 @pytest.mark.slow
