@@ -35,7 +35,7 @@ FORMAT = 1
 def save(state: dict, out_dir: Path, best: bool, rotate: bool = True):
     """Write last.pt atomically (temporary file, fsync, rename), keeping the one it replaces as
     previous.pt (a fallback if last.pt is later damaged; not if not rotate); best.pt is the same bytes if best.
-    A write that fails (a full disk) changes none of them."""
+    A write that fails (a full disk) changes neither last nor previous."""
     last = out_dir / "last.pt"
     try:
         tmp = write_temp(last, lambda f: torch.save(state, f))

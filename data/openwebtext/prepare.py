@@ -25,8 +25,8 @@ if __package__ in (None, ""):  # run as a script: make `data` importable from th
 import numpy as np
 
 from data.corpora import errors_exit_2
-from data.streaming import (count_documents, finished, hub_files, hub_source, local_source, read_progress, shard_arguments,
-                            write_shards)
+from data.streaming import (count_documents, finished, hub_files, hub_source, local_source, read_progress,
+                            shard_arguments, write_shards)
 
 PREPARE_IN_TRAIN = False  # hours of downloading: train.py asks for this script to be run first
 REPO_ID = "Skylion007/openwebtext"
@@ -49,8 +49,8 @@ def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, revision="main", 
     meta = finished(out_dir, {**settings, **({"files": local.names} if local else {}), "shard_tokens": shard_tokens,
                               "prefix": "openwebtext"})
     if meta is None:
-        source = local or hub_source(repo_id, hub_files(repo_id, revision, "", "pass --revision (a branch with the "
-                                                        "parquet conversion) or --input"), revision, out_dir / ".download")
+        hint = "pass --revision (a branch with the parquet conversion) or --input"
+        source = local or hub_source(repo_id, hub_files(repo_id, revision, "", hint), revision, out_dir / ".download")
         counts = read_progress(out_dir)["counts"]
         if len(counts) != len(source.names):  # the split needs the number of documents up front
             counts = [count_documents(source.fetch(i)) for i in range(len(source.names))]
