@@ -24,8 +24,7 @@ import torch
 from config import Config
 import sharded
 from collectives import on_rank0
-from data.files import (disk_full, fsync_dir, link_or_copy, read_json, remove_stale_temporaries, tensor_bytes,
-                        write_temp)
+from data.files import atomic_write, disk_full, link_or_copy, read_json, remove_stale_temporaries, tensor_bytes
 from errors import ConfigError, OutDirBusy, OutDirUnwritable, UnreadableCheckpoint, first_line, load_failure
 from model import GPT, GPTConfig
 
@@ -37,23 +36,19 @@ def save(state: dict, out_dir: Path, best: bool, rotate: bool = True):
     previous.pt (a fallback if last.pt is later damaged; not if not rotate); best.pt is the same bytes if best.
     A write that fails (a full disk) changes neither last nor previous."""
     last = out_dir / "last.pt"
-    try:
-        tmp = write_temp(last, lambda f: torch.save(state, f))
-    except RuntimeError as e:
-        full = disk_full(e, out_dir, tensor_bytes(state))
-        if full is None:
-            raise
-        raise OSError(errno.ENOSPC, full) from None
-    try:
+
+    def link(tmp):
         if best:  # before last.pt: killed in between, the resume redoes this step (best_val_loss is last.pt's)
             link_or_copy(tmp, out_dir / "best.pt")
         if last.exists() and rotate:  # last: a copy that fails (no hard links, a full disk) leaves previous as it was
             link_or_copy(last, out_dir / "previous.pt")
-        os.replace(tmp, last)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(out_dir)
+    try:
+        atomic_write(last, lambda f: torch.save(state, f), before_rename=link)
+    except RuntimeError as e:  # torch's zip writer reports a full disk so
+        full = disk_full(e, out_dir, tensor_bytes(state))
+        if full is None:
+            raise
+        raise OSError(errno.ENOSPC, full) from None
 
 
 @contextmanager

@@ -57,12 +57,15 @@ def write_temp(path: Path, write) -> Path:
     return tmp
 
 
-def atomic_write(path, write) -> None:
-    """Call write(file) so that readers of `path` see the old file or the new one, never a part."""
+def atomic_write(path, write, before_rename=None) -> None:
+    """Call write(file) so that readers of `path` see the old file or the new one, never a part;
+    before_rename(tmp) runs on the whole temporary file (checkpoint.py links best.pt to it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = write_temp(path, write)
     try:
+        if before_rename:
+            before_rename(tmp)
         os.replace(tmp, path)
     except BaseException:  # (path is a folder, say): no whole copy left behind under another name
         tmp.unlink(missing_ok=True)

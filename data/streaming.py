@@ -49,9 +49,8 @@ def shard_arguments(doc: str, repo_id: str) -> argparse.ArgumentParser:
 def read_documents(path: Path) -> Iterator[str]:
     """The documents of one file, in order; ValueError naming the file when it has no text."""
     if path.suffix == ".txt":
-        data = path.read_bytes()
         try:
-            yield data.decode("utf-8")
+            yield path.read_bytes().decode("utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start:,}): convert it") from None
     elif path.suffix == ".jsonl":
@@ -143,11 +142,8 @@ def hub_source(repo_id: str, files: list, revision: str, download_dir: Path) -> 
             return Path(hf_hub_download(repo_id, files[i], repo_type="dataset", revision=revision,
                                         local_dir=download_dir))
 
-    def release(i):
-        (download_dir / files[i]).unlink(missing_ok=True)
-
-    return Source(files, fetch, release, {"name": "huggingface hub", "repo": repo_id,
-                                          "revision": revision, "files": len(files)})
+    return Source(files, fetch, lambda i: (download_dir / files[i]).unlink(missing_ok=True),  # each once read
+                  {"name": "huggingface hub", "repo": repo_id, "revision": revision, "files": len(files)})
 
 
 # ----------------------------------------------------------------------------- tokenizing in workers
@@ -236,12 +232,7 @@ def read_progress(out_dir, settings: dict = None) -> dict:
     if progress["settings"] != settings:
         raise ValueError(f"{out_dir} holds an interrupted prepare with other settings "
                          f"({path}): rerun it with the same options, or remove {out_dir}")
-    for stream in progress["streams"].values():
-        for shard in stream["shards"]:
-            file = out_dir / shard["file"]
-            if not file.is_file() or file.stat().st_size != 1024 + 2 * shard["tokens"]:
-                raise ValueError(f"{file} is missing or changed since it was written: remove "
-                                 f"{out_dir} and prepare again")
+    _check_shards(out_dir, [shard for stream in progress["streams"].values() for shard in stream["shards"]])
     print(f"resuming: {sum(len(s['shards']) for s in progress['streams'].values())} shards "
           f"already written in {out_dir}")
     return progress
@@ -260,7 +251,7 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = preparing(out_dir)  # (held until this returns) another preparation waits; a killed one's shard goes
-    settings = {**settings, "files": source.names, "shard_tokens": shard_tokens, "prefix": prefix}
+    settings = recorded(settings, prefix, shard_tokens, source)
     if (meta := finished(out_dir, settings)) is not None:
         return meta
     progress = read_progress(out_dir, settings)
@@ -327,7 +318,7 @@ def _finish(source: Source, out_dir: Path, streams: dict, counts: list, settings
                           if sh["split"] == split] for split in ("train", "val")}
     meta = {"vocab_size": GPT2_VOCAB_SIZE, "dtype": "uint16", "tokenizer": "gpt2",
             "source": {**source.description, **{k: v for k, v in settings.items() if k != "files"}},
-            "documents": sum(counts), "train_tokens": sum(e["tokens"] for e in split_list["train"]),
+            "documents": end_doc, "train_tokens": sum(e["tokens"] for e in split_list["train"]),
             "val_tokens": sum(e["tokens"] for e in split_list["val"]), "shards": split_list,
             "prepared_with": settings, "format": DATASET_FORMAT}
     atomic_write_bytes(out_dir / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
@@ -335,21 +326,30 @@ def _finish(source: Source, out_dir: Path, streams: dict, counts: list, settings
     return meta
 
 
+def recorded(settings: dict, prefix: str, shard_tokens: int, source: Source = None) -> dict:
+    """What a prepare records as prepared_with; the file names only given the source (a hub's: once listed)."""
+    files = {"files": source.names} if source else {}
+    return {**settings, **files, "shard_tokens": shard_tokens, "prefix": prefix}
+
+
 def finished(out_dir, settings: dict):
     """meta.json of a prepare that finished in out_dir, or None. Checked: the same `settings` (those
-    given: a rerun need not list a hub's files again, nor count documents) and its shards in place;
-    other settings would overwrite it."""
+    given, recorded()'s) and its shards in place; other settings would overwrite it."""
     out_dir = Path(out_dir)
     if not (out_dir / "meta.json").is_file() or (out_dir / PROGRESS).is_file():
         return None
     meta = load_meta(out_dir, fix=f"remove {out_dir} and prepare again")
-    made = meta.get("prepared_with")
-    if not isinstance(made, dict) or any(made.get(k) != v for k, v in settings.items()) or "shards" not in meta:
+    if not isinstance(made := meta.get("prepared_with"), dict) or any(made.get(k) != v for k, v in settings.items()) or "shards" not in meta:
         raise ValueError(f"{out_dir} already holds a dataset prepared with other settings: remove it "
                          f"or choose another --out_dir")
-    for entry in meta["shards"]["train"] + meta["shards"]["val"]:
-        file = out_dir / entry["file"]
-        if not file.is_file() or file.stat().st_size != 1024 + 2 * entry["tokens"]:
-            raise ValueError(f"{file} is missing or changed: remove {out_dir} and prepare again")
+    _check_shards(out_dir, meta["shards"]["train"] + meta["shards"]["val"])
     print(f"{out_dir} is already prepared ({meta['train_tokens'] + meta['val_tokens']:,} tokens)")
     return meta
+
+
+def _check_shards(out_dir: Path, shards: list):
+    """Each shard written is there, of the size it was written with (hashing them would read the corpus)."""
+    for shard in shards:
+        file = out_dir / shard["file"]
+        if not file.is_file() or file.stat().st_size != 1024 + 2 * shard["tokens"]:
+            raise ValueError(f"{file} is missing or changed since it was written: remove {out_dir} and prepare again")

@@ -23,7 +23,8 @@ if __package__ in (None, ""):  # run as a script: make `data` importable from th
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.corpora import errors_exit_2
-from data.streaming import finished, hub_files, hub_source, local_source, shard_arguments, write_shards
+from data.streaming import (finished, hub_files, hub_source, local_source, recorded, shard_arguments,
+                            write_shards)
 
 PREPARE_IN_TRAIN = False  # hours of downloading: train.py asks for this script to be run first
 REPO_ID = "HuggingFaceFW/fineweb-edu"
@@ -35,8 +36,7 @@ def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, subset="sample-10
     local = local_source(input_pattern) if input_pattern else None
     settings = {"input": input_pattern} if local else {"repo": repo_id, "subset": subset, "revision": revision}
     # a finished folder is checked before the hub is asked for its files (a rerun offline too)
-    meta = finished(out_dir, {**settings, **({"files": local.names} if local else {}), "shard_tokens": shard_tokens,
-                              "prefix": "fineweb"})
+    meta = finished(out_dir, recorded(settings, "fineweb", shard_tokens, local))
     if meta is None:
         # sample-10BT lives in sample/10BT/, a dump in data/
         folder = f"sample/{subset.removeprefix('sample-')}/" if subset.startswith("sample-") else f"data/{subset}/"

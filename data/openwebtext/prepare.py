@@ -26,7 +26,7 @@ import numpy as np
 
 from data.corpora import errors_exit_2
 from data.streaming import (count_documents, finished, hub_files, hub_source, local_source, read_progress,
-                            shard_arguments, write_shards)
+                            recorded, shard_arguments, write_shards)
 
 PREPARE_IN_TRAIN = False  # hours of downloading: train.py asks for this script to be run first
 REPO_ID = "Skylion007/openwebtext"
@@ -46,8 +46,7 @@ def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, revision="main", 
     settings = {"input": input_pattern} if local else {"repo": repo_id, "revision": revision}
     settings.update(val_fraction=VAL_FRACTION, split_seed=SPLIT_SEED)
     # a finished folder is checked before the hub is asked for its files or a document is counted
-    meta = finished(out_dir, {**settings, **({"files": local.names} if local else {}), "shard_tokens": shard_tokens,
-                              "prefix": "openwebtext"})
+    meta = finished(out_dir, recorded(settings, "openwebtext", shard_tokens, local))
     if meta is None:
         hint = "pass --revision (a branch with the parquet conversion) or --input"
         source = local or hub_source(repo_id, hub_files(repo_id, revision, "", hint), revision, out_dir / ".download")
