@@ -116,8 +116,7 @@ def find(cfg: Config) -> list:
     return paths
 
 
-REQUIRED = ("model", "optimizer", "scaler", "step", "best_val_loss", "config", "model_args", "loader",
-            "rng", "world_size")
+REQUIRED = ("model", "optimizer", "scaler", "step", "best_val_loss", "config", "model_args", "loader", "world_size")
 
 
 def read(path: Path, tensors: bool = True):
@@ -150,6 +149,7 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
         version = ckpt.get("format") if isinstance(ckpt, dict) else None
         raise ConfigError(f"{path}: checkpoint format {version} is not {FORMAT}, "
                           f"which this train.py reads")
+    ckpt.pop("rng", None)  # older files' RNG states: dropout's masks now derive from the step (train.py)
     missing = [k for k in REQUIRED if k not in ckpt]
     if missing or not isinstance(ckpt["model_args"], dict) or not isinstance(ckpt["config"], dict):
         raise ConfigError(f"{path} lacks {missing or 'a valid model_args/config'}: it was not "
@@ -206,33 +206,22 @@ def malformed(ckpt: dict, model_args: dict, cfg: Config):
         return (f"loader {loader!r} is not an epoch (-1 before the first) and a position that is a multiple "
                 f"of global_batch_size")
     try:  # what is not a tensor goes from rank 0 to the other ranks as JSON
-        json.dumps({k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "rng")})
+        json.dumps({k: v for k, v in ckpt.items() if k not in ("model", "optimizer")})
     except (TypeError, ValueError):
         return "a value beside the tensors is not plain data (numbers, strings, lists and dicts)"
     with torch.device("meta"):  # shapes only: no memory, whatever the size
         model = GPT(GPTConfig(**model_args))
     # AdamW's two groups, as configure_optimizers makes them: matrices and embeddings, then the rest
     groups = [[(n, p.shape) for n, p in model.named_parameters() if (p.dim() >= 2) == decay] for decay in (1, 0)]
-    rng_shape = [world_size, torch.get_rng_state().numel()]
     if ckpt["model"] is None:  # sharded: DCP checks the tensors as it reads them, run.json the rest
-        shapes = ckpt["rng_shapes"]
         if _params_of(ckpt["param_groups"]) != [[n for n, _ in g] for g in groups]:
             return "param_groups are not AdamW's two groups of this model's parameters"
-        if not (isinstance(shapes, dict) and shapes.get("cpu") == rng_shape and all(
-                isinstance(v, list) and len(v) == 2 and v[0] == world_size and type(v[1]) is int and v[1] > 0
-                for v in shapes.values())):
-            return f"rng_shapes {shapes!r} are not an RNG state for each of world_size={world_size} ranks"
         return None
     expected, weights = model.state_dict(), ckpt["model"] if isinstance(ckpt["model"], dict) else {}
     wrong = [k for k, v in expected.items() if not isinstance(weights.get(k), torch.Tensor)
              or weights[k].shape != v.shape] + sorted(map(str, set(weights) - set(expected)))
     if wrong:
         return f"model weight {wrong[0]} is missing, not this model's, or of another shape"
-    rng = ckpt["rng"]
-    if not (isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor) and list(rng["cpu"].shape) == rng_shape
-            and all(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 2 and len(v) == world_size
-                    for v in rng.values())):
-        return f"rng is not an RNG state for each of world_size={world_size} ranks"
     optimizer, shapes = ckpt["optimizer"], [shape for g in groups for _, shape in g]
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     positions = [list(range(len(groups[0]))), list(range(len(groups[0]), len(shapes)))]
@@ -252,44 +241,28 @@ def _params_of(param_groups):
     return None
 
 
-def read_first(paths: list, use):
-    """use(path) for the first of `paths` that is not an UnreadableCheckpoint; each damaged
-    one is reported and the next tried (last.pt -> previous.pt; best.pt -> last.pt)."""
+def read_first(paths: list, use, say: bool = True):
+    """use(path) for the first of `paths` that is not an UnreadableCheckpoint (None if there is no path);
+    each damaged one is reported (if say) and the next tried (last -> previous; best -> last)."""
     for i, path in enumerate(paths):
         try:
             return use(path)
         except UnreadableCheckpoint as e:
             if i == len(paths) - 1:
                 raise
-            print(f"warning: {e}\ntrying {paths[i + 1]} instead", file=sys.stderr, flush=True)
+            if say:
+                print(f"warning: {e}\ntrying {paths[i + 1]} instead", file=sys.stderr, flush=True)
 
 
 def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
     """The checkpoint this run continues from (rank 0's; the others get its plain values), once restore(ckpt)
-    took it on every rank; or None. A damaged newest one falls back to the next newest (last -> previous):
-    a .pt as rank 0 reads it, a sharded one when the ranks' reading of their shards in restore fails."""
-    damaged = {}
-    while True:
-        ckpt = on_rank0(lambda: load_for_resume(cfg, model_args, damaged, meta), world, ("model", "optimizer", "rng"))
-        if ckpt is None:
-            return None
-        try:
-            restore(ckpt)
-            return ckpt
-        except UnreadableCheckpoint as e:
-            if not ckpt.get("sharded"):
-                raise
-            damaged[ckpt["path"]] = str(e)
-            if world.is_master:
-                print(f"warning: {e}\ntrying the next newest checkpoint instead", file=sys.stderr, flush=True)
-
-
-def load_for_resume(cfg: Config, model_args: dict, damaged: dict, meta: dict = None):
-    """Rank 0: the checkpoint to continue from, read and checked, past those in `damaged` (path -> why); or None."""
-    paths = [p for p in find(cfg) if str(p) not in damaged]
-    if damaged and not paths:
-        raise UnreadableCheckpoint(list(damaged.values())[-1])
-    return read_first(paths, lambda p: load(p, model_args, cfg, meta)) if paths else None
+    took it on every rank; or None. A damaged one falls back to the next newest (last -> previous): a .pt
+    as rank 0 reads and checks it, a .dcp also when a rank cannot read its shards (in restore)."""
+    def use(path):
+        ckpt = on_rank0(lambda: load(Path(path), model_args, cfg, meta), world, ("model", "optimizer"))
+        restore(ckpt)
+        return ckpt
+    return read_first(on_rank0(lambda: [str(p) for p in find(cfg)], world), use, world.is_master)
 
 
 def add_source_args(parser):

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from errors import CollectiveFailed, ConfigError, GroupNotFormed, RunError
+from errors import CollectiveFailed, ConfigError, GroupNotFormed, RunError, UnreadableCheckpoint
 
 
 def agree_max(value: int, world) -> int:
@@ -75,18 +75,18 @@ def differs_from_rank0(settings: dict, world, per_host: tuple = (), what: str = 
 
 
 def on_rank0(read, world, rank0_only: tuple = ()):
-    """read() on rank 0 only; its result (plain values) or its ConfigError on every rank. Keys
-    of a dict result named in `rank0_only` (tensors) are None on the other ranks."""
+    """read() on rank 0 only; its result (plain values) or its ConfigError (UnreadableCheckpoint
+    stays one) on every rank. Keys of a dict result named in `rank0_only` (tensors) are None on the others."""
     result, error = None, None
     if world.is_master:
         try:
             result = read()
         except ConfigError as e:
-            error = str(e)
+            error = [str(e), isinstance(e, UnreadableCheckpoint)]
     shared = {k: None if k in rank0_only else v for k, v in result.items()} if isinstance(result, dict) else result
     shared, error = broadcast_json([shared, error], world)
     if error:
-        raise ConfigError(error)
+        raise (UnreadableCheckpoint if error[1] else ConfigError)(error[0])
     return result if world.is_master else shared
 
 
@@ -123,36 +123,6 @@ class Agreement:
         stop = next((int(s) for s, v in zip(signals, votes[2:4]) if v > 0), 0)
         return votes[0] / self.world.size, stop, [first_error(p, self.world) if v > 0 else None
                                                   for p, v in zip(problems, votes[4:])]
-
-
-def gather_rng_states(world) -> dict:
-    """Every rank's RNG states, stacked by rank (what a checkpoint keeps)."""
-    states = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state()  # a CPU tensor, like the CPU state
-    if world.size == 1:
-        return {k: v[None] for k, v in states.items()}
-    gathered = {}
-    for key, state in states.items():
-        parts = [torch.empty_like(state) for _ in range(world.size)]
-        dist.all_gather(parts, state, group=world.group)
-        gathered[key] = torch.stack(parts)
-    return gathered
-
-
-def restore_rng_states(rng: dict, world):
-    """Set this rank's RNG states from rank 0's stacked copy (the others receive their rows)."""
-    shapes = broadcast_json({k: list(v.shape) for k, v in rng.items()} if world.is_master else None, world)
-    for key, shape in shapes.items():
-        stacked = rng[key] if world.is_master else torch.empty(shape, dtype=torch.uint8)
-        if world.size > 1:
-            dist.broadcast(stacked, src=0, group=world.group)
-        # clone: a row of the stacked states is a view at an offset, which set_rng_state misreads
-        mine = stacked[world.rank].clone()
-        if key == "cpu":
-            torch.set_rng_state(mine)
-        elif torch.cuda.is_available():
-            torch.cuda.set_rng_state(mine)
 
 
 # -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import parallel
-from collectives import agree_or_raise, any_rank, broadcast_json, first_error, gather_rng_states
+from collectives import agree_or_raise, any_rank, broadcast_json, first_error
 from data.files import atomic_write_bytes, disk_full, fsync_dir, link_or_copy, tensor_bytes
 from errors import UnreadableCheckpoint, first_line, load_failure
 
@@ -94,7 +94,7 @@ def parts(path: Path):
     try:
         metadata = _reader(path).read_metadata()
         run_state = json.loads((path / "run.json").read_text())
-        if not (isinstance(run_state, dict) and {"param_groups", "rng_shapes"} <= run_state.keys()):
+        if not (isinstance(run_state, dict) and "param_groups" in run_state):
             raise ValueError("run.json does not hold a run's state")
         ends = {}
         for info in metadata.storage_data.values():  # (the classes are DCP's; their values may be anything)
@@ -126,10 +126,10 @@ def load(path: Path, state: dict, world=None):
 
 def read(path: Path, tensors: bool) -> dict:
     """A sharded checkpoint as the file format's dict (tensors=False: the plain values only,
-    model/optimizer/rng None and sharded=True, for a resume where every rank loads its shards)."""
+    model/optimizer None and sharded=True, for a resume where every rank loads its shards)."""
     state, metadata = parts(path)
     if not tensors:
-        return {**state, "model": None, "optimizer": None, "rng": None, "sharded": True}
+        return {**state, "model": None, "optimizer": None, "sharded": True}
     try:  # (a resume checks run.json against the model first; here a hand edit may reach this far)
         flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()}
         load(path, flat)
@@ -146,9 +146,7 @@ def read(path: Path, tensors: bool) -> dict:
     except Exception as e:  # e.g. param_groups that are not lists, a size no memory holds
         raise UnreadableCheckpoint(f"cannot read checkpoint {path}: its run.json or .metadata is not a checkpoint "
                                    f"of this repo's GPT ({type(e).__name__}: {first_line(e)})") from None
-    state.pop("rng_shapes")
-    return {**state, "model": model, "optimizer": optimizer,
-            "rng": {k.removeprefix("rng."): v for k, v in flat.items() if k.startswith("rng.")}}
+    return {**state, "model": model, "optimizer": optimizer}
 
 
 def json_groups(groups: list) -> list:
@@ -269,21 +267,16 @@ def check_shared(folder: Path, world, what: str):
 
 def save_run(raw_model, optimizer, run_state: dict, out_dir: Path, best: bool, world, background=False,
              rotate=True):
-    """Every rank: a run's sharded checkpoint: this rank's shards of the model and optimizer, every
-    rank's RNG states, and run_state with the optimizer's param_groups in run.json (see save)."""
+    """Every rank: a run's sharded checkpoint: this rank's shards of the model and optimizer, and
+    run_state with the optimizer's param_groups in run.json (see save)."""
     tensors, param_groups = parallel.sharded_state(raw_model, optimizer)
-    tensors["rng"] = gather_rng_states(world)
-    state = dict(run_state, param_groups=param_groups,
-                 rng_shapes={k: list(v.shape) for k, v in tensors["rng"].items()})
-    return save(tensors, state, out_dir, best, world, background, rotate)
+    return save(tensors, dict(run_state, param_groups=param_groups), out_dir, best, world, background, rotate)
 
 
-def load_run(path: Path, raw_model, optimizer, ckpt: dict, world) -> dict:
+def load_run(path: Path, raw_model, optimizer, ckpt: dict, world):
     """Every rank: load this world's shards of the checkpoint at `path` (ckpt: its run.json) into
-    the model and optimizer, resharded by DCP; returns the RNG states, stacked by rank."""
+    the model and optimizer, resharded by DCP."""
     check_shared(path, world, "to resume from it")
     tensors, _ = parallel.sharded_state(raw_model, optimizer)  # this world's shards, to fill
-    tensors["rng"] = {k: torch.empty(shape, dtype=torch.uint8) for k, shape in ckpt["rng_shapes"].items()}
     load(path, tensors, world)
     parallel.load_sharded_state(raw_model, optimizer, tensors, json_groups(ckpt["param_groups"]))
-    return tensors["rng"]

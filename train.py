@@ -30,7 +30,7 @@ import parallel
 import pretrained
 import sharded
 from collectives import (Agreement, agree_or_raise, any_rank, collective_failures_explained, differs_from_rank0,
-                         first_error, gather_rng_states, on_rank0, process_group, restore_rng_states)
+                         first_error, on_rank0, process_group)
 from config import PER_HOST, Config, resolve
 from errors import CheckpointNotWritten, ConfigError, Diverged, LogNotWritten, first_line, reported
 from evals import hellaswag
@@ -57,6 +57,12 @@ def get_lr(step: int, cfg: Config) -> float:
     return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.learning_rate - min_lr)
 
 
+def dropout_seed(seed: int, rank: int, step: int) -> int:
+    """Each rank's own dropout stream at each step, a function of these alone: a resume at any step
+    draws the masks the uninterrupted run drew, with no RNG state in the checkpoint."""
+    return int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
+
+
 def accumulate_gradients(model, raw_model, loader, accum: int, autocast, scaler, sync: bool = True):
     """Forward and backward over `accum` micro-batches (sync=False: no all-reduce, for bench.py); the mean loss."""
     step_loss = 0.0
@@ -75,6 +81,7 @@ def accumulate_gradients(model, raw_model, loader, accum: int, autocast, scaler,
 def optimizer_step(run: "Run", sync: bool = True):
     """One optimizer step over the global batch: micro-steps, clip, step. Returns this rank's
     mean loss (a tensor: reading it would wait for the GPU) and the gradient norm (or None)."""
+    torch.manual_seed(dropout_seed(run.cfg.seed, run.world.rank, run.step))
     step_loss = accumulate_gradients(run.model, run.raw_model, run.loader, run.world.accum, run.autocast,
                                      run.scaler, sync)
     grad_norm = None
@@ -122,7 +129,6 @@ class Run:
                      hellaswag_step=self.hellaswag_step, config=self.cfg.to_dict(), model_args=self.model_args,
                      vocab=self.vocab, loader=self.loader.state_dict(), world_size=self.world.size)
         if tensors:
-            state["rng"] = gather_rng_states(self.world)
             state["model"], state["optimizer"] = parallel.full_state(self.raw_model, self.optimizer)
         return state
 
@@ -131,8 +137,8 @@ class Run:
         are None). Sharded: every rank reads its own part, resharded to this world by DCP."""
         chosen = [{k: g[k] for k in ("weight_decay", "betas", "foreach", "fused", "capturable", "differentiable")}
                   for g in self.optimizer.param_groups]
-        if ckpt.get("sharded"):  # every rank loads its own shards, and its RNG states with them
-            ckpt["rng"] = sharded.load_run(Path(ckpt["path"]), self.raw_model, self.optimizer, ckpt, self.world)
+        if ckpt.get("sharded"):  # every rank loads its own shards
+            sharded.load_run(Path(ckpt["path"]), self.raw_model, self.optimizer, ckpt, self.world)
         else:
             parallel.load_full_state(self.raw_model, self.optimizer, self.world, ckpt["model"] or {},
                                      ckpt["optimizer"] or {})
@@ -146,11 +152,6 @@ class Run:
             print(f"note: {self.resumed_from} was not trained in float16: the loss scale starts afresh", flush=True)
         self.loader.load_state_dict(ckpt["loader"])
         self.hellaswag_step = ckpt.get("hellaswag_step", self.step)  # older files: as if evaluated there
-        if ckpt["world_size"] == self.world.size:
-            restore_rng_states(ckpt["rng"], self.world)
-        elif self.world.is_master:
-            print(f"note: {self.resumed_from} was written by {ckpt['world_size']} processes; the "
-                  f"data order continues exactly, dropout streams are derived afresh", flush=True)
 
     def hellaswag_due(self, at_end: bool) -> bool:
         every = self.cfg.hellaswag_interval
@@ -228,8 +229,6 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
               hellaswag=(hellaswag.load_on_every_rank(cfg.hellaswag_path, meta, cfg.block_size, world)
                          if cfg.hellaswag_interval else None),
               autocast=autocast(world))
-    # Each rank gets its own dropout stream, derived from the one seed.
-    torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
     # rank 0 reads and checks the file (other hosts need no copy); the others get its run state
     ckpt = checkpoint.resume(cfg, model_args, world, run.load_state_dict, meta)
     if ckpt is None and pretrained.is_pretrained(cfg.init_from):

@@ -149,7 +149,6 @@ def compare(a: Path, b: Path) -> str:
             order = [n for g in checkpoint.read(b, tensors=False)["param_groups"] for n in g["params"]]
             for i, stats in state["optimizer"]["state"].items():
                 flat.update({f"optimizer.{order[i]}.{s}": v for s, v in stats.items()})
-            flat.update({f"rng.{k}": v for k, v in state["rng"].items()})
             return {k: flat[k] for k in keys}
         metadata = sharded.parts(path)[1].state_dict_metadata
         tensors = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in keys}
@@ -157,7 +156,7 @@ def compare(a: Path, b: Path) -> str:
         return tensors
 
     keys = list(sharded.parts(b)[1].state_dict_metadata)
-    for group in ("model.", ".exp_avg", ".exp_avg_sq", ".step", "rng."):
+    for group in ("model.", ".exp_avg", ".exp_avg_sq", ".step"):
         chosen = [k for k in keys if (k.startswith(group) if group.endswith(".") else k.endswith(group))]
         left, right = load(a, chosen), load(b, chosen)
         for k in chosen:

@@ -153,7 +153,6 @@ def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_prev
     (lambda ck: ck["optimizer"]["state"].clear(), "optimizer is not AdamW's state"),
     ({"model": {}}, "model weight transformer.wte.weight is missing, not this model's, or of another shape"),
     (lambda ck: ck["model"].update(extra=torch.zeros(1)), "model weight extra is missing, not this model's"),
-    ({"rng": None}, "rng is not an RNG state for each of world_size=1 ranks"),
     ({"val_loss": torch.tensor(1.0)}, "a value beside the tensors is not plain data"),  # broken JSON for rank 1
     ({"scaler": {"scale": "x"}}, "the scaler's state {'scale': 'x'} is not one"),  # float16: once a traceback
     ({"hellaswag_step": 2.5}, "hellaswag_step 2.5 is not a whole number"),

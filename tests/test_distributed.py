@@ -159,7 +159,7 @@ def half_w2(world_runs, char_data):
 @pytest.mark.slow
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_ddp_resume_is_bit_identical(world_runs, half_w2, char_data, tmp_path, dropout):
-    # with dropout, each rank's RNG stream must be saved (gathered on rank 0) and restored;
+    # with dropout, each rank's masks must be drawn again as they were (train.dropout_seed);
     # those legs write the sharded format (DCP, every rank its part), the straight run a file
     legs, fmt = tmp_path / "legs", {"checkpoint_format": "sharded"} if dropout else {}
     if dropout == 0.0:  # world_runs' W=2 run is the straight run, half_w2 its first leg
@@ -177,8 +177,6 @@ def test_ddp_resume_is_bit_identical(world_runs, half_w2, char_data, tmp_path, d
     for pid, state in a["optimizer"]["state"].items():
         for key, value in state.items():
             assert torch.equal(value, b["optimizer"]["state"][pid][key]), (pid, key)
-    assert torch.equal(a["rng"]["cpu"], b["rng"]["cpu"]) and a["rng"]["cpu"].shape[0] == 2
-    assert not torch.equal(a["rng"]["cpu"][0], a["rng"]["cpu"][1])  # each rank its own dropout stream
     assert train_log(straight) == train_log(legs)  # bit for bit, and no step logged twice
 
 

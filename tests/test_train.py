@@ -23,12 +23,14 @@ def test_single_process_run_lowers_val_loss(char_data, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])  # float16: the loss scaler's state resumes too
 def test_resume_ends_bit_identical_to_an_uninterrupted_run(char_data, tmp_path, dtype):
-    # dropout on, so the saved RNG state matters too; lr_decay_iters pinned so the
+    # dropout on, so the masks must be drawn again as they were; lr_decay_iters pinned so the
     # schedule of the short first leg is the schedule of the whole run
     common = dict(max_iters=24, lr_decay_iters=24, eval_interval=8, dropout=0.1, dtype=dtype)
     straight, legs = tmp_path / "straight", tmp_path / "legs"
     train_here(char_data, straight, **common)
     train_here(char_data, legs, **{**common, "max_iters": 8})
+    # as older files were: with every rank's RNG states, which a resume now reads past
+    torch.save({**ckpt(legs), "rng": {"cpu": torch.get_rng_state()[None]}}, legs / "last.pt")
     train_here(char_data, legs, **{**common, "resume": "auto"})
 
     a, b = ckpt(straight), ckpt(legs)
@@ -42,6 +44,12 @@ def test_resume_ends_bit_identical_to_an_uninterrupted_run(char_data, tmp_path, 
     assert losses(straight) == losses(legs)  # the resumed log continues, no replayed steps
     again = train_here(char_data, legs, **{**common, "resume": "auto"})  # at max_iters: nothing left to do
     assert again["step"] == 24 and again["val_loss"] == b["val_loss"] is not None  # as the checkpoint says
+
+
+def test_each_rank_draws_its_own_dropout_masks_at_each_step():
+    from train import dropout_seed
+    seeds = {dropout_seed(1337, rank, step) for rank in range(4) for step in range(100)}
+    assert len(seeds) == 400 and dropout_seed(1337, 3, 7) == dropout_seed(1337, 3, 7) != dropout_seed(7, 3, 7)
 
 
 def test_a_resume_from_another_folder_keeps_that_runs_log(char_data, tmp_path):
