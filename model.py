@@ -176,11 +176,8 @@ class GPT(nn.Module):
     def get_num_params(self, non_embedding=True):
         """Parameters, the tied embedding counted once and its padding rows not at all; non_embedding
         leaves out the position embeddings (token embeddings are also the output layer's weights)."""
-        n_params = sum(p.numel() for p in self.parameters())  # parameters() yields a tied tensor once
-        n_params -= (self.config.padded_vocab_size - self.config.vocab_size) * self.config.n_embd
-        if non_embedding:
-            n_params -= self.transformer.wpe.weight.numel()
-        return n_params
+        cfg = self.config
+        return cfg.n_params - (cfg.padded_vocab_size - cfg.vocab_size + cfg.block_size * non_embedding) * cfg.n_embd
 
     def forward(self, idx, targets=None, caches=None, pos=0):
         """Logits and loss of idx (B, T), whose tokens sit at positions pos..pos+T-1: over every
