@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from collectives import any_rank
 from world import World, available_memory
 
 # A padded vocabulary's logits are a slice, a view, which FSDP warns an in-place op could bypass its
@@ -107,11 +108,7 @@ def clip_grad_norm(raw_model, max_norm: float) -> torch.Tensor:
 def all_finite(raw_model, world: World) -> bool:
     """Whether every weight is finite, agreed by all ranks (each checks its own shard)."""
     local = lambda p: p.to_local() if hasattr(p, "to_local") else p
-    ok = torch.tensor([float(all(torch.isfinite(local(p)).all() for p in raw_model.parameters()))])
-    if is_fsdp(raw_model):
-        ok = ok.to(next(raw_model.parameters()).device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
+    return not any_rank(not all(torch.isfinite(local(p)).all() for p in raw_model.parameters()), world)
 
 
 def full_state(raw_model, optimizer) -> tuple:
