@@ -7,7 +7,7 @@ Both read and write the same checkpoints, so either resumes the other at any wor
 """
 
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -75,21 +75,12 @@ def wrap(model, raw_model, world: World):
     return model
 
 
-@contextmanager
 def skip_gradient_sync(model, raw_model, skip: bool):
-    """No gradient communication for one micro-step when skip (accumulation): DDP's no_sync
-    (which must cover forward too), FSDP2's set_requires_gradient_sync(False)."""
-    if skip and isinstance(model, DDP):
-        with model.no_sync():
-            yield
-    elif skip and is_fsdp(raw_model):
-        raw_model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            raw_model.set_requires_gradient_sync(True)
-    else:
-        yield
+    """A context for one micro-step with no gradient communication when skip (accumulation): DDP's
+    no_sync (which must cover forward too); FSDP2's flag, set anew for every micro-step."""
+    if is_fsdp(raw_model):
+        raw_model.set_requires_gradient_sync(not skip)
+    return model.no_sync() if skip and isinstance(model, DDP) else nullcontext()
 
 
 def clip_grad_norm(raw_model, max_norm: float) -> torch.Tensor:
