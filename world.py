@@ -64,11 +64,7 @@ def slurm_tasks_per_node(counts: str) -> list[int]:
     """SLURM's compressed task counts, one per node: '4(x2),3' -> [4, 4, 3]; [] for what is not such a list."""
     if not re.fullmatch(r"\d+(\(x\d+\))?(,\d+(\(x\d+\))?)*", counts):
         return []
-    per_node = []
-    for part in counts.split(","):
-        n, _, repeat = part.partition("(x")
-        per_node += [int(n)] * int(repeat.rstrip(")") or 1)
-    return per_node
+    return [int(n) for n, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", counts) for _ in range(int(repeat or 1))]
 
 
 def find_world() -> World:
