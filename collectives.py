@@ -173,7 +173,7 @@ def _join(world, dist_timeout: float):
         raise GroupNotFormed(world.rank, world.size, address, dist_timeout, e) from None
     finally:
         watchdog.cancel()
-    # Small CPU messages (stop flags, RNG states, checkpoint bytes) go through gloo, also under NCCL.
+    # Small CPU messages (votes, JSON, sharded checkpoints' coordination) go through gloo, also under NCCL.
     world.timeout = timeout  # (new_group's own default is 30 minutes, whatever dist_timeout says)
     world.group = dist.new_group(backend="gloo", timeout=timeout) if world.backend != "gloo" else None
 

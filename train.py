@@ -123,7 +123,7 @@ class Run:
 
     def state_dict(self, tensors: bool = True) -> dict:
         """The file format's checkpoint, or (tensors=False) the plain values a sharded one keeps in
-        run.json. Every rank calls it: RNG states are gathered from all ranks, FSDP's shards to rank 0."""
+        run.json. Every rank calls it: FSDP's shards are gathered to rank 0."""
         state = dict(format=checkpoint.FORMAT, scaler=self.scaler.state_dict(), step=self.step, val_loss=self.val_loss,
                      tokens_seen=self.step * self.cfg.tokens_per_step, best_val_loss=self.best_val_loss,
                      hellaswag_step=self.hellaswag_step, config=self.cfg.to_dict(), model_args=self.model_args,
