@@ -108,27 +108,24 @@ CHOICES = {
 }
 
 
-def _type_name(typ) -> str:
-    return " or ".join("None" if a is type(None) else a.__name__ for a in typing.get_args(typ) or (typ,))
-
-
 def _show(value, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 5] + "[...]"
 
 
-def _unknown_name(name: str) -> ConfigError:
-    close = difflib.get_close_matches(name, list(FIELD_TYPES), n=1, cutoff=0.5)
-    hint = f"did you mean '{close[0]}'?" if close else "see docs/config.md"
-    return ConfigError(f"unknown config name {_show(name)}: {hint}")
+def _allowed(name: str) -> tuple:
+    """The types field `name` takes (Optional[int]: int, NoneType); an unknown name suggests the nearest."""
+    if name not in FIELD_TYPES:
+        close = difflib.get_close_matches(name, list(FIELD_TYPES), n=1, cutoff=0.5)
+        hint = f"did you mean '{close[0]}'?" if close else "see docs/config.md"
+        raise ConfigError(f"unknown config name {_show(name)}: {hint}")
+    return typing.get_args(FIELD_TYPES[name]) or (FIELD_TYPES[name],)
 
 
 def check_type(name: str, value):
     """Return `value` as the type of field `name`, or raise ConfigError."""
-    if name not in FIELD_TYPES:
-        raise _unknown_name(name)
-    typ = FIELD_TYPES[name]
-    for allowed in typing.get_args(typ) or (typ,):
+    options = _allowed(name)
+    for allowed in options:
         if allowed is type(None) and value is None:
             return None
         if isinstance(value, bool):  # bool is an int subclass: accept it only for bool fields
@@ -143,15 +140,13 @@ def check_type(name: str, value):
             raise ConfigError(f"config '{name}' must fit in 64 bits, got an integer of {value.bit_length()} bits")
         if allowed in (int, str) and isinstance(value, allowed):
             return value
-    raise ConfigError(f"config '{name}' must be {_type_name(typ)}, got {_show(value)} "
-                      f"({type(value).__name__})")
+    one_of = " or ".join("None" if t is type(None) else t.__name__ for t in options)
+    raise ConfigError(f"config '{name}' must be {one_of}, got {_show(value)} ({type(value).__name__})")
 
 
 def parse_value(name: str, text: str):
     """Turn the text of a --name=value override into a typed value."""
-    if name not in FIELD_TYPES:
-        raise _unknown_name(name)
-    allowed = typing.get_args(FIELD_TYPES[name]) or (FIELD_TYPES[name],)
+    allowed = _allowed(name)
     if bool in allowed and text.lower() in ("true", "false"):
         return text.lower() == "true"
     try:
