@@ -206,13 +206,16 @@ class Background:
         return self.error
 
 
-def save(tensors: dict, run_state: dict, out_dir: Path, best: bool, world, background=False, rotate=True):
-    """Every rank writes its shards of `tensors` (rank 0 also run.json, the plain values) into
-    out_dir/.last.dcp.tmp; then rank 0 commits it (_commit). background (async_checkpoint): DCP
-    copies the tensors now and writes them from a thread over world.save_group (a gloo group of
-    its own, made at the first such save); returns a Background, which commits when the write
-    completes. Raises OSError on every rank when any rank failed."""
+def save_run(raw_model, optimizer, run_state: dict, out_dir: Path, best: bool, world, background=False,
+             rotate=True):
+    """Every rank writes its shards of the model and optimizer (rank 0 also run.json: run_state and the
+    optimizer's param_groups) into out_dir/.last.dcp.tmp; then rank 0 commits it (_commit). background
+    (async_checkpoint): DCP copies the tensors now and writes them from a thread over world.save_group
+    (a gloo group of its own, made at the first such save); returns a Background, which commits when
+    the write completes. Raises OSError on every rank when any rank failed."""
     import torch.distributed.checkpoint as dcp  # imported when first used: it takes 0.7 s
+    tensors, param_groups = parallel.sharded_state(raw_model, optimizer)
+    run_state = dict(run_state, param_groups=param_groups)
     tmp, failure = out_dir / TMP, None
     if world.is_master:
         try:
@@ -263,14 +266,6 @@ def check_shared(folder: Path, world, what: str):
     finally:
         if probe is not None and probe.suffix == ".tmp":
             probe.unlink(missing_ok=True)
-
-
-def save_run(raw_model, optimizer, run_state: dict, out_dir: Path, best: bool, world, background=False,
-             rotate=True):
-    """Every rank: a run's sharded checkpoint: this rank's shards of the model and optimizer, and
-    run_state with the optimizer's param_groups in run.json (see save)."""
-    tensors, param_groups = parallel.sharded_state(raw_model, optimizer)
-    return save(tensors, dict(run_state, param_groups=param_groups), out_dir, best, world, background, rotate)
 
 
 def load_run(path: Path, raw_model, optimizer, ckpt: dict, world):
