@@ -76,10 +76,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cache=None, pos=0):
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # 3 x (B, nh, T, hs)
+                   for t in self.c_attn(x).split(self.n_embd, dim=2))  # 3 x (B, T, C)
         if cache is not None:
             # Generation feeds either a whole prompt at pos 0 or one new token after the cache.
             assert pos == 0 or T == 1, "cached attention takes a prefill at 0 or one token at a time"
