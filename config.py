@@ -128,9 +128,7 @@ def check_type(name: str, value):
     for allowed in options:
         if allowed is type(None) and value is None:
             return None
-        if isinstance(value, bool):  # bool is an int subclass: accept it only for bool fields
-            if allowed is bool:
-                return value
+        if isinstance(value, bool) != (allowed is bool):  # bool is an int subclass: only bool fields take it
             continue
         if allowed is float and isinstance(value, (int, float)):
             if not (-1e308 < value < 1e308):  # inf, nan, or an int too big for a float
@@ -138,7 +136,7 @@ def check_type(name: str, value):
             return float(value)
         if allowed is int and isinstance(value, int) and not -2**63 <= value < 2**63:
             raise ConfigError(f"config '{name}' must fit in 64 bits, got an integer of {value.bit_length()} bits")
-        if allowed in (int, str) and isinstance(value, allowed):
+        if allowed in (bool, int, str) and isinstance(value, allowed):
             return value
     one_of = " or ".join("None" if t is type(None) else t.__name__ for t in options)
     raise ConfigError(f"config '{name}' must be {one_of}, got {_show(value)} ({type(value).__name__})")
