@@ -71,13 +71,12 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
-        self.n_embd = config.n_embd
         self.dropout = config.dropout
 
     def forward(self, x, cache=None, pos=0):
         B, T, C = x.size()
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # 3 x (B, nh, T, hs)
-                   for t in self.c_attn(x).split(self.n_embd, dim=2))  # 3 x (B, T, C)
+                   for t in self.c_attn(x).split(C, dim=2))  # 3 x (B, T, C)
         if cache is not None:
             # Generation feeds either a whole prompt at pos 0 or one new token after the cache.
             assert pos == 0 or T == 1, "cached attention takes a prefill at 0 or one token at a time"
