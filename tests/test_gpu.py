@@ -55,6 +55,18 @@ def test_compiled_cuda_run_saves_prefix_free_weights_that_resume(char_data, tmp_
                resume="auto")["step"] == 8
 
 
+def test_compiled_dropout_on_cuda_is_drawn_again_from_the_step_seed():
+    # a resume reseeds every step (train.dropout_seed): CUDA's and inductor's generators must follow
+    model = torch.compile(GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=32,
+                                        dropout=0.5)).cuda())
+    x = torch.zeros(2, 16, dtype=torch.long, device="cuda")
+
+    def logits(step):
+        torch.manual_seed(train.dropout_seed(1337, 0, step))
+        return model(x, x)[0]
+    assert torch.equal(logits(3), logits(3)) and not torch.equal(logits(3), logits(4))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_attention_runs_on_flash_or_efficient_kernels_not_the_math_fallback(dtype):
     model = GPT(GPTConfig(block_size=256, vocab_size=128, n_layer=2, n_head=4, n_embd=256)).cuda()
