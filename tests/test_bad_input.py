@@ -20,9 +20,12 @@ from harness import tiny_args, train_here
 from model import GPT
 
 
+@pytest.mark.parametrize("poisoned_at, says", [(6, "training loss is nan at step 7"),
+                                                # the step's eval sees it before its checkpoint is written
+                                                (8, "validation loss is nan at step 8")])
 def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint(char_data, tmp_path,
-                                                                                 monkeypatch):
-    # a hook outside train.py's loop: the optimizer's 6th step leaves a NaN in the weights,
+                                                                                 monkeypatch, poisoned_at, says):
+    # a hook outside train.py's loop: the optimizer's step `poisoned_at` leaves a NaN in the weights,
     # as an overflow would
     configure = GPT.configure_optimizers
 
@@ -33,7 +36,7 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoin
         def poisoned_step(*a, **k):
             result = step(*a, **k)
             calls.append(1)
-            if len(calls) == 6:
+            if len(calls) == poisoned_at:
                 with torch.no_grad():
                     model.transformer.wte.weight[0, 0] = float("nan")
             return result
@@ -42,7 +45,7 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoin
         return optimizer
 
     monkeypatch.setattr(GPT, "configure_optimizers", poisoned)
-    with pytest.raises(RunError, match=r"training loss is nan at step 7\..*learning_rate=0.003.*"
+    with pytest.raises(RunError, match=rf"{says}\..*learning_rate=0.003.*"
                                               r"last\.pt holds step 4, the last good one"):
         train_here(char_data, tmp_path, max_iters=20, eval_interval=4)
     ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
@@ -141,6 +144,8 @@ def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_prev
     ("missing", "nothing to resume from"),
     ("random bytes", "cannot read checkpoint"),
     ("other shape", "holds another model shape"),
+    ("other seed", "was trained with seed=1337; resuming with 7 would change the data order"),
+    (lambda ck: ck.pop("loader"), "lacks ['loader']: it was not written by this train.py"),
     ("unknown format", "checkpoint format 99 is not 1"),
     # hand edits, each once a traceback from Run.load_state_dict: one line, on every rank
     ({"step": "10"}, "step '10' or world_size 1 is not a whole number"),
@@ -167,9 +172,9 @@ def test_bad_checkpoints_are_clear_errors_naming_the_file(trained_copy, tmp_path
         path.write_bytes(os.urandom(4096))
     elif problem == "fifo":
         os.mkfifo(path)
-    elif problem == "other shape":
+    elif problem in ("other shape", "other seed"):
         shutil.copy(out / "last.pt", path)
-        overrides = {"n_embd": 64}
+        overrides = {"n_embd": 64} if problem == "other shape" else {"seed": 7}
     elif problem != "missing":
         ckpt = torch.load(out / "last.pt", weights_only=True)
         if callable(problem):
