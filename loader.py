@@ -43,9 +43,6 @@ class Tokens:
         """A flat file of tokens (train.bin / val.bin) as a split of one shard."""
         return cls([Shard(Path(path), dtype, 0, Path(path).stat().st_size // np.dtype(dtype).itemsize)])
 
-    def __len__(self) -> int:
-        return int(self.offsets[-1])
-
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
         """The `length` tokens from each global start position, as int64 rows. An id past the
         vocabulary is recorded in self.bad (file and position) and read as 0, so the model never
@@ -87,10 +84,7 @@ class ShardedTokenLoader:
         self.device = torch.device(device)
         # windows that fit in each shard for any epoch offset < block_size
         self.per_shard = np.maximum(tokens.lengths // block_size - 1, 0)
-        self.n_windows = int(self.per_shard.sum())
-        if self.n_windows < 1:
-            raise ValueError(f"no shard of {len(tokens)} tokens holds a window of {block_size + 1} "
-                             f"tokens at any offset")
+        self.n_windows = int(self.per_shard.sum())  # >= 1: read_dataset checked the longest shard
         self.passes = -(-global_batch_size // self.n_windows)  # 1 unless the data is tiny
         self.steps_per_epoch = self.passes * self.n_windows // global_batch_size
         self.windows_per_epoch = self.steps_per_epoch * global_batch_size
@@ -131,10 +125,7 @@ class ShardedTokenLoader:
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict):
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if position % (self.batch_size * self.world_size):
-            raise ValueError(f"loader position {position} is not a multiple of batch_size "
-                             f"({self.batch_size}) x world_size ({self.world_size})")
+        epoch, position = int(state["epoch"]), int(state["position"])  # (checkpoint.malformed checked them)
         if epoch >= 0:
             self.set_epoch(epoch)
         self.epoch, self.position = epoch, position
@@ -148,9 +139,7 @@ def token_splits(cfg: Config, meta: dict) -> dict:
 def eval_starts(tokens: Tokens, block_size: int, n_windows: int) -> np.ndarray:
     """A fixed set of evaluation windows: evenly spread, the same every eval and every run."""
     per_shard = (tokens.lengths - 1) // block_size  # windows at offset 0
-    available = int(per_shard.sum())
-    if available < 1:
-        raise ValueError(f"{len(tokens)} tokens hold no window of {block_size + 1} tokens")
+    available = int(per_shard.sum())  # >= 1: read_dataset checked the longest shard
     picks = np.unique(np.linspace(0, available - 1, min(n_windows, available)).round().astype(np.int64))
     return tokens.grid(per_shard, block_size, 0, picks)
 
