@@ -107,12 +107,15 @@ def test_a_log_or_checkpoint_cut_at_any_byte_never_blocks_a_resume(char_data, tm
     assert code == 0 and "warning: dropped 3 unreadable lines" in printed, err
 
 
+@pytest.mark.parametrize("lost, steps_run", [('"step": 4, "train_eval_loss"', 4),  # the save at 4 stops it
+                                              ('"step": 2, "loss"', 3)])  # the next step's agreement stops it
 def test_a_log_line_that_could_not_be_written_stops_the_run_before_a_checkpoint_passes_it(
-        char_data, tmp_path, monkeypatch):
-    """The val row of step 4 is lost (a disk full for a moment): a checkpoint of step 4 would make a resume
+        char_data, tmp_path, monkeypatch, lost, steps_run):
+    """A row of step 2 or 4 is lost (a disk full for a moment): a checkpoint of step 4 would make a resume
     start past it, and the log would lack it for good. The run stops instead, with no checkpoint past it."""
     import logger
-    real_open = open
+    real_open, step, calls = open, train.optimizer_step, []
+    monkeypatch.setattr(train, "optimizer_step", lambda run: calls.append(1) or step(run))
 
     class FullForTheRow:
         def __init__(self, f):
@@ -125,13 +128,13 @@ def test_a_log_line_that_could_not_be_written_stops_the_run_before_a_checkpoint_
             self.f.close()
 
         def write(self, text):
-            if '"step": 4,' in text and "val_loss" in text:
+            if text.startswith("{" + lost):
                 raise OSError(28, "No space left on device")
             return self.f.write(text)
     monkeypatch.setattr(logger, "open", lambda path, mode="r": FullForTheRow(real_open(path, mode)), raising=False)
     with pytest.raises(LogNotWritten, match=r"could not write .*metrics\.jsonl \(No space left on device\)"):
         train.main(resolve(tiny_args(char_data, tmp_path / "out", max_iters=8, eval_interval=4, log_interval=1)))
-    assert not (tmp_path / "out" / "last.pt").exists()
+    assert not (tmp_path / "out" / "last.pt").exists() and len(calls) == steps_run
 
 
 @pytest.mark.slow
