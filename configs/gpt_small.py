@@ -1,7 +1,7 @@
 # GPT-2 small (124M) from scratch on 10B tokens of FineWeb-Edu, in the style of the llm.c and
 # nanoGPT reproductions. First: python data/fineweb/prepare.py (about 20 GB of shards). Then:
 #   torchrun --standalone --nproc_per_node=8 train.py configs/gpt_small.py
-# Cost: 6 x 124M x 10B = 7.5e18 FLOPs plus attention; one H100 runs 0.46M tokens/s here, as
+# Cost: 6 x 124M x 10B = 7.5e18 FLOPs plus attention; one H100 runs 0.47M tokens/s here, as
 # fast as llm.c (docs/performance.md), so ~6 hours on one H100 and under an hour on eight.
 # Expect a val loss of about 3.3 on FineWeb (llm.c's GPT-2 124M run reached 3.28 at 10B tokens)
 # and lower on FineWeb-Edu, whose text is easier to predict. A quick run on a small corpus:
