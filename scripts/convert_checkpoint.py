@@ -48,7 +48,8 @@ def main(argv=None):
         atomic_write(args.dest, lambda f: torch.save(state, f))
     except OSError as e:
         raise ConfigError(f"cannot write {args.dest}: {e.strerror or e}") from None
-    print(f"{args.source} (step {state['step']}, written by {state['world_size']} processes) -> {args.dest}")
+    n = state['world_size']
+    print(f"{args.source} (step {state['step']}, written by {n} process{'es' * (n != 1)}) -> {args.dest}")
 
 
 if __name__ == "__main__":
