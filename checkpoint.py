@@ -197,6 +197,8 @@ def malformed(ckpt: dict, model_args: dict, cfg: Config):
         return f"step {ckpt['step']!r} or world_size {world_size!r} is not a whole number"
     if type(ckpt.get("hellaswag_step", 0)) is not int:
         return f"hellaswag_step {ckpt['hellaswag_step']!r} is not a whole number"
+    if not isinstance(ckpt.get("log", ""), str):
+        return f"log {ckpt['log']!r:.60} is not metrics.jsonl's text"
     scaler, keys = ckpt["scaler"], {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
     if not number(ckpt["best_val_loss"]) or not (scaler == {} or isinstance(scaler, dict) and set(scaler) == keys and
                                                  all(number(v) and v >= 0 for v in scaler.values()) and scaler["scale"]):
@@ -259,7 +261,7 @@ def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
     took it on every rank; or None. A damaged one falls back to the next newest (last -> previous): a .pt
     as rank 0 reads and checks it, a .dcp also when a rank cannot read its shards (in restore)."""
     def use(path):
-        ckpt = on_rank0(lambda: load(Path(path), model_args, cfg, meta), world, ("model", "optimizer"))
+        ckpt = on_rank0(lambda: load(Path(path), model_args, cfg, meta), world, ("model", "optimizer", "log"))
         restore(ckpt)
         return ckpt
     return read_first(on_rank0(lambda: [str(p) for p in find(cfg)], world), use, world.is_master)

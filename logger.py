@@ -31,14 +31,16 @@ def read_metrics(path: Path, verb: str) -> list:
 
 class Logger:
 
-    def __init__(self, cfg, step: int, resumed_from, enabled: bool, estimate_mfu=None):
-        """`step`: where the run starts; `resumed_from`: the checkpoint it continues (None for a fresh run).
-        `estimate_mfu(steps, seconds)`: the model's MFU for that many optimizer steps, or None."""
+    def __init__(self, cfg, step: int, resumed_from, enabled: bool, estimate_mfu=None, history: str = None):
+        """`step`: where the run starts; `resumed_from`: the checkpoint it continues (None for a fresh run),
+        `history` the log it holds. `estimate_mfu(steps, seconds)`: the model's MFU for that many optimizer
+        steps, or None."""
         self.enabled, self.max_iters = enabled, cfg.max_iters
         self.tokens_per_step, self.estimate_mfu = cfg.tokens_per_step, estimate_mfu
         self.bar = self.wandb = self.failure = None  # failure: why metrics.jsonl could not be written
         self.start_failure = None  # why wandb could not start, or the history not be read: agreed in start()
         self.restart_clock(step)
+        self.lines = []  # metrics.jsonl's lines, which each checkpoint keeps (text())
         if not enabled:
             return
         if cfg.wandb_log:
@@ -51,18 +53,24 @@ class Logger:
                                       f"login`, or set WANDB_MODE=offline, or use --wandb_log=false")
                 return  # a run refused leaves out_dir's log as it was
         self.metrics = Path(cfg.out_dir) / "metrics.jsonl"
-        # a fresh run starts a new log; a resumed one keeps the history of its checkpoint (the log beside
-        # it, here or in the folder it came from) up to its step, and drops the steps it runs again
-        history = Path(resumed_from).parent / "metrics.jsonl" if resumed_from else None
+        # a fresh run starts a new log; a resumed one keeps the history its checkpoint holds (written
+        # before any later run, killed or not, rewrote the file), or in older files the log beside it
+        # (here or in the folder it came from) up to its step, dropping the steps it runs again
+        beside = Path(resumed_from).parent / "metrics.jsonl" if resumed_from and history is None else None
         try:
-            rows = read_metrics(history, "dropped") if history and history.is_file() else []  # (a FIFO would hang)
+            rows = read_metrics(beside, "dropped") if beside and beside.is_file() else []  # (a FIFO would hang)
         except OSError as e:  # another user's
-            self.start_failure = f"cannot read {history}, the log this run continues ({e.strerror or e})"
+            self.start_failure = f"cannot read {beside}, the log this run continues ({e.strerror or e})"
             return
+        self.lines = [history] if history else [json.dumps(row) + "\n" for row in rows if row["step"] <= step]
         if self.metrics.exists() and not self.metrics.is_file():  # a folder, a FIFO
             self.failure = f"could not write {self.metrics} (it is not a file)"
-        elif self.metrics.exists() or rows:
-            self._write(self.metrics, "".join(json.dumps(row) + "\n" for row in rows if row["step"] <= step))
+        elif self.metrics.exists() or self.lines:
+            self._write(self.metrics, self.text())
+
+    def text(self) -> str:
+        """metrics.jsonl as this run has written it (on rank 0; "" on the others)."""
+        return "".join(self.lines)
 
     def __enter__(self):
         """The progress bar, on a terminal (on stdout, with the log lines: stderr keeps one error line)."""
@@ -88,7 +96,7 @@ class Logger:
         log = cls(cfg, run.step, run.resumed_from, world.is_master,
                   (lambda steps, seconds: raw_model.estimate_mfu(cfg.batch_size * world.accum * steps, seconds,
                                                                  cfg.peak_flops or None))
-                  if on_gpu else None)
+                  if on_gpu else None, run.history)
         agree_or_raise(log.start_failure, world)
         log.write_run_files(cfg, meta, dict(
             torch=torch.__version__, python=sys.version.split()[0], world_size=world.size,
@@ -142,7 +150,8 @@ class Logger:
     def log(self, record: dict, text: str):
         if not self.enabled:
             return
-        self._write(self.metrics, json.dumps(record) + "\n", append=True)
+        self.lines.append(json.dumps(record) + "\n")
+        self._write(self.metrics, self.lines[-1], append=True)
         if self.wandb:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         self.say(text)

@@ -121,14 +121,15 @@ class Run:
     saved: Optional[tuple] = None  # (file name, step) of the newest checkpoint known written, for messages
     pending: Optional[sharded.Background] = None  # async_checkpoint: the save being written
     hellaswag_step: int = -1  # the step HellaSwag was last evaluated at: a resume neither repeats nor skips one
+    history: Optional[str] = None  # rank 0's: the resumed checkpoint's log, which metrics.jsonl starts with
 
-    def state_dict(self, tensors: bool = True) -> dict:
+    def state_dict(self, tensors: bool = True, log: str = "") -> dict:
         """The file format's checkpoint, or (tensors=False) the plain values a sharded one keeps in
-        run.json. Every rank calls it: FSDP's shards are gathered to rank 0."""
+        run.json, `log` (metrics.jsonl so far) among them. Every rank calls it: FSDP gathers to rank 0."""
         state = dict(format=checkpoint.FORMAT, scaler=self.scaler.state_dict(), step=self.step, val_loss=self.val_loss,
                      tokens_seen=self.step * self.cfg.tokens_per_step, best_val_loss=self.best_val_loss,
                      hellaswag_step=self.hellaswag_step, config=self.cfg.to_dict(), model_args=self.model_args,
-                     vocab=self.vocab, loader=self.loader.state_dict(), world_size=self.world.size)
+                     vocab=self.vocab, loader=self.loader.state_dict(), world_size=self.world.size, log=log)
         if tensors:
             state["model"], state["optimizer"] = parallel.full_state(self.raw_model, self.optimizer)
         return state
@@ -153,6 +154,7 @@ class Run:
             print(f"note: {self.resumed_from} was not trained in float16: the loss scale starts afresh", flush=True)
         self.loader.load_state_dict(ckpt["loader"])
         self.hellaswag_step = ckpt.get("hellaswag_step", self.step)  # older files: as if evaluated there
+        self.history = ckpt.get("log")  # (older files hold none: the log beside them is read)
 
     def hellaswag_due(self, at_end: bool) -> bool:
         every = self.cfg.hellaswag_interval
@@ -171,10 +173,10 @@ class Run:
         rotate = resumed == last.resolve() or resumed.parent != out_dir.resolve() or self.saved[0] != resumed.name
         try:
             if self.cfg.checkpoint_format == "sharded":  # every rank writes its own part
-                self.pending = sharded.save_run(self.raw_model, self.optimizer, self.state_dict(False), out_dir, best,
-                                                self.world, self.cfg.async_checkpoint, rotate)
+                self.pending = sharded.save_run(self.raw_model, self.optimizer, self.state_dict(False, log.text()),
+                                                out_dir, best, self.world, self.cfg.async_checkpoint, rotate)
             else:
-                state = self.state_dict()
+                state = self.state_dict(log=log.text())
                 if self.world.is_master:
                     checkpoint.save(state, out_dir, best, rotate)
         except (OSError, RuntimeError) as e:  # a full disk surfaces as either
@@ -203,8 +205,7 @@ class Run:
 def build_run(cfg: Config, world: World, meta: dict) -> Run:
     """Model (sharded for FSDP), optimizer, scaler, loader and eval windows; then the checkpoint,
     if one continues this run, or GPT-2's weights; then compile and DDP, which wrap the model."""
-    # Same seed on every rank for the init, so weights do not depend on the world size.
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same init on every rank: the weights do not depend on the world size
     if pretrained.is_pretrained(cfg.init_from):  # the shape is GPT-2's; rank 0 reads its config
         model_args = on_rank0(lambda: pretrained.model_args(cfg.init_from, cfg, meta), world)
     else:
@@ -253,8 +254,7 @@ def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
     run.val_loss = losses["val"]
     if not math.isfinite(run.val_loss):
         raise Diverged(f"the validation loss is {run.val_loss} at step {run.step}", cfg.learning_rate, run.saved)
-    improved = run.val_loss < run.best_val_loss
-    run.best_val_loss = min(run.best_val_loss, run.val_loss)
+    improved, run.best_val_loss = run.val_loss < run.best_val_loss, min(run.best_val_loss, run.val_loss)
     log.log({"step": run.step, "train_eval_loss": losses["train"], "val_loss": run.val_loss,
              "tokens_seen": run.step * cfg.tokens_per_step},
             f"step {run.step}: train loss {losses['train']:.4f}, val loss {run.val_loss:.4f}")

@@ -192,6 +192,13 @@ def ckpt(out_dir, name: str = "last.pt") -> dict:
     return checkpoint.read(Path(out_dir) / name)
 
 
+def without_log(out_dir, name: str = "last.pt"):
+    """Make out_dir's checkpoint one written before checkpoints kept their log (metrics.jsonl's rows)."""
+    state = ckpt(out_dir, name)
+    del state["log"]
+    torch.save(state, Path(out_dir) / name)
+
+
 def assert_same_weights(a: dict, b: dict):
     """Two checkpoints at the same step with bit-identical weights."""
     assert a["step"] == b["step"]

@@ -161,6 +161,7 @@ def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_prev
     ({"val_loss": torch.tensor(1.0)}, "a value beside the tensors is not plain data"),  # broken JSON for rank 1
     ({"scaler": {"scale": "x"}}, "the scaler's state {'scale': 'x'} is not one"),  # float16: once a traceback
     ({"hellaswag_step": 2.5}, "hellaswag_step 2.5 is not a whole number"),
+    ({"log": [{"step": 0}]}, "log [{'step': 0}] is not metrics.jsonl's text"),  # would be written as the log
     ("fifo", "it is not a file"),  # once a hang
 ])
 def test_bad_checkpoints_are_clear_errors_naming_the_file(trained_copy, tmp_path, script, problem, message):

@@ -25,7 +25,7 @@ import sample
 import train
 from config import resolve
 from errors import ConfigError, LogNotWritten
-from harness import REPO, child_env, run_world, tiny_args
+from harness import REPO, child_env, run_world, tiny_args, without_log
 from model import GPTConfig
 
 
@@ -79,28 +79,34 @@ def fill(disk: Path, leave: int = 0) -> Path:
 
 @pytest.mark.slow
 def test_a_log_or_checkpoint_cut_at_any_byte_never_blocks_a_resume(char_data, tmp_path, capsys):
-    """metrics.jsonl cut anywhere: the torn last line is dropped with one warning and the run
-    goes on; last.pt cut anywhere: previous.pt takes its place, saying so."""
+    """metrics.jsonl cut anywhere: the checkpoint's copy of the log restores it (an older checkpoint,
+    which holds none: the torn last line is dropped with one warning) and the run goes on; last.pt
+    cut anywhere: previous.pt takes its place, saying so."""
     trained = tmp_path / "trained"
     assert train_cli(capsys, char_data, trained, max_iters=10, eval_interval=5)[0] == 0
+    logged = (trained / "metrics.jsonl").read_text()
+    older = shutil.copytree(trained, tmp_path / "older")
+    without_log(older)
     rng = random.Random(0)
-    for name in ("metrics.jsonl", "last.pt"):
-        size = (trained / name).stat().st_size
+    for source, name in ((trained, "metrics.jsonl"), (older, "metrics.jsonl"), (trained, "last.pt")):
+        size = (source / name).stat().st_size
         for offset in rng.sample(range(1, size - 1), 2):
-            out = tmp_path / f"{name}-{offset}"
-            shutil.copytree(trained, out)
+            out = tmp_path / f"{source.name}-{name}-{offset}"
+            shutil.copytree(source, out)
             with open(out / name, "r+b") as f:
                 f.truncate(offset)
             code, printed, err = train_cli(capsys, char_data, out, max_iters=12, eval_interval=5)
             assert code == 0, err
             if name == "last.pt":
                 assert "trying" in err and "previous.pt" in err and "resuming from" in printed
+            elif source is trained:
+                assert "unreadable" not in printed and (out / name).read_text().startswith(logged)
             elif not (out / name).read_bytes()[:offset].endswith(b"\n"):
                 assert "warning: dropped 1 unreadable line" in printed
             records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             assert records[-1]["step"] == 12
     # lines that parse but hold no step (an edited file) are dropped the same way
-    out = shutil.copytree(trained, tmp_path / "edited")
+    out = shutil.copytree(older, tmp_path / "edited")
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": null}\n{"step": "x"}\n[]\n')
     code, printed, err = train_cli(capsys, char_data, out, max_iters=12, eval_interval=5)

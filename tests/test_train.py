@@ -144,6 +144,27 @@ def test_a_fresh_run_in_a_used_out_dir_starts_a_new_log(char_data, tmp_path):
     assert [r["step"] for r in metrics(tmp_path) if "val_loss" in r] == [0, 2, 4]
 
 
+def test_a_run_killed_before_its_first_save_keeps_the_log_of_the_checkpoint_a_resume_takes(char_data, tmp_path,
+                                                                                          monkeypatch):
+    """A run rewrites metrics.jsonl as it starts (a fresh one empties it, one resumed from previous.pt
+    drops the rows after it), but last.pt changes only at its first save. Killed before that, the next
+    resume=auto continues last.pt with last.pt's own history, kept in it, not the rewritten file."""
+    import train
+    train_here(char_data, tmp_path, max_iters=4, eval_interval=2)
+    assert ckpt(tmp_path, "previous.pt")["step"] == 2
+    history = metrics(tmp_path)
+
+    def killed(run, best, log):
+        raise KeyboardInterrupt
+    for start in (dict(resume="never", seed=7), dict(resume=str(tmp_path / "previous.pt"))):
+        with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+            patch.setattr(train.Run, "save", killed)
+            train_here(char_data, tmp_path, max_iters=4, eval_interval=2, **start)
+        assert metrics(tmp_path) != history  # rewritten at the start
+    train_here(char_data, tmp_path, max_iters=6, eval_interval=2, resume="auto")
+    assert [r for r in metrics(tmp_path) if r["step"] <= 4] == history and metrics(tmp_path)[-1]["step"] == 6
+
+
 def test_a_resume_hands_rank_0s_read_copy_back_to_the_os(char_data, tmp_path, monkeypatch):
     """After build_run has read a whole checkpoint, nothing freed is left resident: glibc keeps
     freed buffers of up to 32 MB in its heap, which malloc_trim would still give back."""
