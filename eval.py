@@ -82,6 +82,7 @@ def main(argv=None):
         # a rank started with another --limit (say) would score other examples: every rank stops
         per_host = ("out_dir", "init_from", "hellaswag", "data_dir", "device", "dist_timeout")
         agree_or_raise(differs_from_rank0(vars(args), world, per_host) or error, world)
+        hellaswag.same_on_every_rank(examples, world, "--hellaswag")
         if val is not None:
             loss = val_loss(model, *val, model.config.block_size, args.batch_size, world, autocast(world), False)
         score, _ = hellaswag.evaluate(model, examples, world, autocast(world), args.batch_size,

@@ -17,6 +17,7 @@ batch whatever the world size, so W processes give the numbers one process gives
 """
 
 import hashlib
+import json
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from collectives import agree_or_raise
+from collectives import agree_or_raise, differs_from_rank0
 from data.files import atomic_write_bytes, cache_dir, parse_json
 from errors import ConfigError, HellaSwagMissing, first_line
 
@@ -170,7 +171,16 @@ def load_on_every_rank(path: str, meta: dict, block_size: int, world, limit: int
     except ConfigError as e:
         error = str(e)
     agree_or_raise(error, world)
+    same_on_every_rank(examples, world, "hellaswag_path")
     return examples
+
+
+def same_on_every_rank(examples: list, world, setting: str):
+    """Stop every rank, with one line, unless each rank's examples are rank 0's: each host reads its
+    own copy, and a shorter or other one would score other examples, summed into neither's score."""
+    digest = hashlib.sha256(json.dumps([(ex.rows, ex.label) for ex in examples]).encode()).hexdigest()[:16]
+    agree_or_raise(differs_from_rank0({"examples": digest}, world, what=f"HellaSwag file (each host's {setting})"),
+                   world)
 
 
 @torch.no_grad()

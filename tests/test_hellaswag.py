@@ -323,7 +323,7 @@ def test_eval_py_under_torchrun_prints_the_one_process_line(hf_folder, hs_file):
 def _eval_rank(rank, world_size, args, out):
     import eval as eval_py
     try:
-        eval_py.main([*args, f"--limit={5 + 5 * rank}"])
+        eval_py.main(args[rank])
         message = "scored"
     except ConfigError as e:
         message = str(e)
@@ -331,10 +331,21 @@ def _eval_rank(rank, world_size, args, out):
 
 
 @pytest.mark.slow
-def test_eval_py_ranks_started_with_different_arguments_all_stop(hf_folder, hs_file, tmp_path):
-    run_ranks(_eval_rank, 2, [f"--init_from={hf_folder}", f"--hellaswag={hs_file}", "--device=cpu"], tmp_path)
-    line = "rank 1 was started with limit=10 (rank 0: 5): give every rank the same config"
-    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [line, line]
+@pytest.mark.parametrize("differ", ["limit", "file"])
+def test_eval_py_ranks_started_with_different_arguments_all_stop(hf_folder, hs_file, tmp_path, differ):
+    """Another --limit, or another copy of the file on one host (here the first 5 lines of it): the
+    ranks would score other examples, and their summed counts be neither's score."""
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(hs_file.read_text().splitlines(keepends=True)[:5]))
+    args = [[f"--init_from={hf_folder}", "--device=cpu", f"--hellaswag={hs_file}", f"--limit={5 + 5 * r}"]
+            if differ == "limit" else [f"--init_from={hf_folder}", "--device=cpu", f"--hellaswag={path}"]
+            for r, path in enumerate((hs_file, short))]
+    run_ranks(_eval_rank, 2, args, tmp_path)
+    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert lines[0] == lines[1]
+    assert re.fullmatch(re.escape("rank 1 was started with limit=10 (rank 0: 5): give every rank the same config")
+                        if differ == "limit" else r"rank 1 was started with examples='\w+' \(rank 0: '\w+'\): give "
+                        r"every rank the same HellaSwag file \(each host's --hellaswag\)", lines[0]), lines[0]
 
 
 @pytest.mark.slow
