@@ -25,7 +25,7 @@ from config import Config
 import sharded
 from collectives import on_rank0
 from data.files import atomic_write, disk_full, link_or_copy, read_json, remove_stale_temporaries, tensor_bytes
-from errors import ConfigError, OutDirBusy, OutDirUnwritable, UnreadableCheckpoint, first_line, load_failure
+from errors import ConfigError, OutDirBusy, OutDirUnwritable, UnreadableCheckpoint, load_failure
 from model import GPT, GPTConfig
 
 FORMAT = 1
@@ -265,56 +265,3 @@ def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
         restore(ckpt)
         return ckpt
     return read_first(on_rank0(lambda: [str(p) for p in find(cfg)], world), use, world.is_master)
-
-
-def add_source_args(parser):
-    """sample.py's and eval.py's --out_dir and --init_from: where the model comes from."""
-    parser.add_argument("--out_dir", default="out", help="a run's folder: its best (else last) checkpoint, meta.json")
-    parser.add_argument("--init_from", default="", help="gpt2, gpt2-medium, -large, -xl or a Hugging Face folder")
-
-
-def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
-    """(model in eval mode, meta.json, path, step) of a training run, for sample.py, eval.py and
-    scripts/export_hf.py: best, else last (or the other way round), else previous, of either format."""
-    kinds = (("best", "last") if prefer == "best" else ("last", "best")) + ("previous",)
-    paths = [p for kind in kinds for p in newest([out_dir / f"{kind}.pt", out_dir / f"{kind}.dcp"])]
-    if not paths:
-        raise ConfigError(f"no best.pt, last.pt or previous.pt in {out_dir} (nor a .dcp folder): train first, "
-                          f"or pass --out_dir")
-
-    def build(path):
-        ckpt = read(path)
-        try:
-            config = GPTConfig(**{**ckpt["model_args"], "dropout": 0.0})
-            held = sum(v.numel() for k, v in ckpt["model"].items() if k != "lm_head.weight")  # (wte's, tied)
-            if config.n_params != held:  # before building it: an edited shape could ask for terabytes
-                raise ValueError(f"its model_args describe {config.n_params:,} parameters, its weights hold {held:,}")
-            if not all(torch.isfinite(w).all() for w in ckpt["model"].values()):  # (rewritten by other code)
-                raise ValueError("its weights hold NaN or inf")
-            model = GPT(config)
-            model.load_state_dict(ckpt["model"])
-            vocab = ckpt.get("vocab", {})  # (older files hold none)
-            if not (isinstance(vocab, dict) and all(isinstance(v, str) for v in vocab.values())
-                    and ("chars" not in vocab or len(vocab["chars"]) == config.vocab_size)):
-                raise ValueError(f"its vocab {vocab!r} is not a tokenizer's name and characters")
-            return model, ckpt["step"], path, vocab
-        except Exception as e:  # plain data, but not a checkpoint of this repo's GPT (nanoGPT's has no step)
-            raise UnreadableCheckpoint(f"{path} is not a GPT checkpoint of this repo "
-                                       f"({type(e).__name__}: {first_line(e)})") from None
-
-    model, step, path, vocab = read_first(paths, build)
-    from data.dataset import load_meta
-    meta_path = out_dir / "meta.json"
-    if not meta_path.is_file():
-        raise ConfigError(f"{meta_path} is missing: train.py writes it beside the checkpoint; copy "
-                          f"the dataset's meta.json there")
-    try:
-        meta = load_meta(out_dir, fix="copy the dataset's meta.json there (train.py copied it from the dataset)")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if vocab:  # the checkpoint's own: any later run into out_dir rewrites meta.json
-        meta.update(vocab, vocab_size=model.config.vocab_size)
-    if meta["vocab_size"] != model.config.vocab_size:
-        raise ConfigError(f"{meta_path} has a vocabulary of {meta['vocab_size']} tokens but {path} was "
-                          f"trained with {model.config.vocab_size}: they come from different runs")
-    return model.eval().to(device), meta, path, step

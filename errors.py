@@ -10,6 +10,7 @@ that raises them reads as control flow.
 """
 
 import argparse
+import errno
 import os
 import signal
 import socket
@@ -58,6 +59,13 @@ def reported(debug: bool = False, also: tuple = ()):
     except BrokenPipeError:  # stdout's reader went away (`| head`): end as a pipe's writer ends, quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit flushes stdout once more)
         sys.exit(128 + signal.SIGPIPE)
+    except OSError as e:
+        if e.errno != errno.ENAMETOOLONG or isinstance(e, also):  # a path argument no file system takes
+            raise
+        path = str(e.filename)
+        say(f"error: the path {path[:60]}{'[...]' * (len(path) > 60)} is too long for the file system (a name over "
+            f"255 bytes or a path over 4096): give a shorter path")
+        sys.exit(2)
     except (ConfigError, RunError, KeyboardInterrupt, *also) as e:
         if debug:
             traceback.print_exc()

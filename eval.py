@@ -14,9 +14,7 @@ docs/eval.md says what the numbers mean and what GPT-2 scores. Every bad input e
 line on stderr and exit status 2.
 """
 
-from pathlib import Path
 
-import checkpoint
 import pretrained
 from collectives import agree_or_raise, collective_failures_explained, differs_from_rank0, process_group
 from config import Config
@@ -29,7 +27,7 @@ from world import autocast, place
 
 def parse_args(argv=None):
     p = ArgumentParser(description=__doc__.split("\n")[0])
-    checkpoint.add_source_args(p)
+    pretrained.add_source_args(p)
     p.add_argument("--hellaswag", default="", help="a local hellaswag_val.jsonl (default: the cached copy)")
     p.add_argument("--limit", type=int, default=0, help="evaluate the first N examples only (0 = all)")
     p.add_argument("--dataset", default="", help="also the loss on this dataset's val split")
@@ -50,8 +48,8 @@ def check(args):
         raise ConfigError(f"--dist_timeout must be positive seconds, at most 1e6, got {args.dist_timeout}")
     if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
-    if not args.init_from and not Path(args.out_dir).is_dir():
-        raise ConfigError(f"out_dir {args.out_dir} does not exist: train first (python train.py) or pass --out_dir")
+    if not args.init_from:
+        pretrained.run_folder(args.out_dir)
 
 
 def val_split(args, model) -> tuple:
@@ -90,7 +88,7 @@ def main(argv=None):
     if world.is_master:
         print(f"# {name}, {world.size} process{'es' if world.size > 1 else ''}")
         if val is not None:
-            print(f"{args.dataset or args.data_dir} val loss {loss:.4f} over {len(val[1])} windows of "
+            print(f"{args.data_dir or args.dataset} val loss {loss:.4f} over {len(val[1])} windows of "
                   f"{model.config.block_size} tokens")
         if score.truncated:
             print(f"note: {score.truncated} contexts were longer than block_size "

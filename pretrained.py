@@ -1,4 +1,5 @@
-"""GPT-2 weights in Hugging Face's format: OpenAI's released models and the way back out.
+"""Trained models to use: OpenAI's released GPT-2 in Hugging Face's format, the way back out to
+that format, and a training run's checkpoint loaded for sample.py, eval.py and the export script.
 
 init_from may name a released model (gpt2, gpt2-medium, gpt2-large, gpt2-xl: 124M to 1.5B
 parameters), taken from the local Hugging Face cache or downloaded into it, or a folder holding
@@ -22,7 +23,7 @@ import checkpoint
 from config import GPT2_NAMES
 from data.dataset import GPT2_EOT, GPT2_VOCAB_SIZE
 from data.files import read_json
-from errors import ConfigError, first_line, load_failure
+from errors import ConfigError, UnreadableCheckpoint, first_line, load_failure
 from model import GPT, GPTConfig
 
 RELEASED = {name: f"openai-community/{name}" for name in GPT2_NAMES}
@@ -232,12 +233,73 @@ def load_gpt(init_from: str, device="cpu", shape: dict = None) -> GPT:
     return model.eval().to(device)
 
 
+def add_source_args(parser):
+    """sample.py's and eval.py's --out_dir and --init_from: where the model comes from."""
+    parser.add_argument("--out_dir", default="out", help="a run's folder: its best (else last) checkpoint, meta.json")
+    parser.add_argument("--init_from", default="", help="gpt2, gpt2-medium, -large, -xl or a Hugging Face folder")
+
+
+def run_folder(out_dir) -> Path:
+    """sample.py's, eval.py's and scripts/export_hf.py's --out_dir, checked before anything is loaded."""
+    if not Path(out_dir).is_dir():
+        raise ConfigError(f"out_dir {out_dir} {'is not a folder' if Path(out_dir).exists() else 'does not exist'}: "
+                          f"train first (python train.py) or pass the run's folder with --out_dir")
+    return Path(out_dir)
+
+
+def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
+    """(model in eval mode, meta.json, path, step) of a training run, for sample.py, eval.py and
+    scripts/export_hf.py: best, else last (or the other way round), else previous, of either format."""
+    kinds = (("best", "last") if prefer == "best" else ("last", "best")) + ("previous",)
+    paths = [p for kind in kinds for p in checkpoint.newest([out_dir / f"{kind}.pt", out_dir / f"{kind}.dcp"])]
+    if not paths:
+        raise ConfigError(f"no best.pt, last.pt or previous.pt in {out_dir} (nor a .dcp folder): train first, "
+                          f"or pass --out_dir")
+
+    def build(path):
+        ckpt = checkpoint.read(path)
+        try:
+            config = GPTConfig(**{**ckpt["model_args"], "dropout": 0.0})
+            held = sum(v.numel() for k, v in ckpt["model"].items() if k != "lm_head.weight")  # (wte's, tied)
+            if config.n_params != held:  # before building it: an edited shape could ask for terabytes
+                raise ValueError(f"its model_args describe {config.n_params:,} parameters, its weights hold {held:,}")
+            if not all(torch.isfinite(w).all() for w in ckpt["model"].values()):  # (rewritten by other code)
+                raise ValueError("its weights hold NaN or inf")
+            model = GPT(config)
+            model.load_state_dict(ckpt["model"])
+            vocab = ckpt.get("vocab", {})  # (older files hold none)
+            if not (isinstance(vocab, dict) and all(isinstance(v, str) for v in vocab.values())
+                    and ("chars" not in vocab or len(vocab["chars"]) == config.vocab_size)):
+                raise ValueError(f"its vocab {vocab!r} is not a tokenizer's name and characters")
+            return model, ckpt["step"], path, vocab
+        except Exception as e:  # plain data, but not a checkpoint of this repo's GPT (nanoGPT's has no step)
+            raise UnreadableCheckpoint(f"{path} is not a GPT checkpoint of this repo "
+                                       f"({type(e).__name__}: {first_line(e)})") from None
+
+    model, step, path, vocab = checkpoint.read_first(paths, build)
+    from data.dataset import load_meta
+    meta_path = out_dir / "meta.json"
+    if not meta_path.is_file():
+        raise ConfigError(f"{meta_path} is missing: train.py writes it beside the checkpoint; copy "
+                          f"the dataset's meta.json there")
+    try:
+        meta = load_meta(out_dir, fix="copy the dataset's meta.json there (train.py copied it from the dataset)")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if vocab:  # the checkpoint's own: any later run into out_dir rewrites meta.json
+        meta.update(vocab, vocab_size=model.config.vocab_size)
+    if meta["vocab_size"] != model.config.vocab_size:
+        raise ConfigError(f"{meta_path} has a vocabulary of {meta['vocab_size']} tokens but {path} was "
+                          f"trained with {model.config.vocab_size}: they come from different runs")
+    return model.eval().to(device), meta, path, step
+
+
 def load_for_text(init_from: str, out_dir, device) -> tuple:
     """(model in eval mode, its tokenizer's meta, a name for it) for sample.py and eval.py: a training
     run's checkpoint in out_dir, or (init_from) GPT-2's weights. A Hugging Face folder brings no
     tokenizer here but GPT-2's BPE, so its vocabulary must be GPT-2's."""
     if not init_from:
-        model, meta, path, step = checkpoint.load_model(Path(out_dir), device)
+        model, meta, path, step = load_model(Path(out_dir), device)
         return model, meta, f"{path} (step {step})"
     shape = read_shape(locate(init_from))  # refused before its weights are read
     if shape["vocab_size"] != GPT2_VOCAB_SIZE:

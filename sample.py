@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-import checkpoint
 import pretrained
 from data.tokenizers import tokenizer_from_meta
 from errors import ArgumentParser, ConfigError, reported
@@ -35,7 +34,7 @@ CHUNK_BYTES = 2**31  # fixed, not the free memory: the same seed gives the same 
 
 def parse_args(argv=None):
     p = ArgumentParser(description=__doc__.split("\n")[0])
-    checkpoint.add_source_args(p)
+    pretrained.add_source_args(p)
     p.add_argument("--start", default="\n", help='prompt text, or FILE:path to read it from a file')
     p.add_argument("--num_samples", type=int, default=3)
     p.add_argument("--max_new_tokens", type=int, default=500)
@@ -83,8 +82,8 @@ def check(args):
                            ("top_k", args.top_k >= 0, ">= 0 (0 = no top-k filtering)")):
         if not ok:
             raise ConfigError(f"--{name} must be {rule}, got {getattr(args, name)}")
-    if not args.init_from and not Path(args.out_dir).is_dir():
-        raise ConfigError(f"out_dir {args.out_dir} does not exist: train first (python train.py) or pass --out_dir")
+    if not args.init_from:
+        pretrained.run_folder(args.out_dir)
 
 
 def main(argv=None):

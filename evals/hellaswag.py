@@ -50,7 +50,7 @@ def git_blob_sha1(data: bytes) -> str:
 def locate(path: str = "") -> Path:
     """The validation file: `path` when given, else the cached copy, else downloaded into the cache."""
     if path:
-        if not Path(path).is_file():
+        if not Path(path).exists() or Path(path).is_dir():  # (a pipe reads: --hellaswag=/dev/stdin)
             raise ConfigError(f"HellaSwag file {path} {'is a folder' if Path(path).is_dir() else 'does not exist'}: "
                               f"give the path of a hellaswag_val.jsonl")
         return Path(path)

@@ -20,7 +20,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import checkpoint  # noqa: E402
 import pretrained  # noqa: E402
 from errors import ArgumentParser, ConfigError, first_line, reported  # noqa: E402
 
@@ -35,13 +34,12 @@ def main(argv=None):
     out_dir, to = Path(args.out_dir), Path(args.to)
     if not args.to:  # (an unset shell variable): it would write into the current folder
         raise ConfigError("--to is empty: give the folder to write")
-    if not out_dir.is_dir():
-        raise ConfigError(f"out_dir {out_dir} does not exist: pass the folder train.py wrote with --out_dir")
+    pretrained.run_folder(out_dir)
     if to.resolve() == out_dir.resolve():
         raise ConfigError(f"--to={to} is the run's own folder: give another folder, its config.json would clash")
     if args.checkpoint == "last" and not any((out_dir / f"last{s}").exists() for s in (".pt", ".dcp")):
         raise ConfigError(f"no last.pt or last.dcp in {out_dir}: use --checkpoint=best, or train first")
-    model, meta, path, step = checkpoint.load_model(out_dir, "cpu", prefer=args.checkpoint)
+    model, meta, path, step = pretrained.load_model(out_dir, "cpu", prefer=args.checkpoint)
     try:
         pretrained.export(model, to, gpt2_tokenizer=meta["tokenizer"] == "gpt2")
     except OSError as e:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import checkpoint
+import pretrained
 import world
 import train
 from config import Config, resolve
@@ -275,9 +276,9 @@ def test_a_dataset_with_another_vocabulary_than_the_checkpoint_is_refused(copies
     saved = checkpoint.read(out / "last.pt")
     assert checkpoint.load(out / "last.pt", saved["model_args"], resolve(tiny_args(data, out)),
                            json.loads((data / "meta.json").read_text()))["step"] == saved["step"]
-    assert checkpoint.load_model(out, torch.device("cpu"))[1]["chars"] == chars  # sample.py's, eval.py's
+    assert pretrained.load_model(out, torch.device("cpu"))[1]["chars"] == chars  # sample.py's, eval.py's
     shutil.copy(other / "meta.json", out / "meta.json")  # ... even one of another size ("from different runs")
-    assert checkpoint.load_model(out, torch.device("cpu"))[1]["chars"] == chars
+    assert pretrained.load_model(out, torch.device("cpu"))[1]["chars"] == chars
     # a checkpoint from before checkpoints kept their vocabulary: the meta.json beside it decides, as it did
     torch.save({k: v for k, v in saved.items() if k != "vocab"}, out / "last.pt")
     shutil.copy(data / "meta.json", out / "meta.json")

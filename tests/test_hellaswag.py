@@ -112,6 +112,13 @@ def test_acc_and_each_chosen_ending_match_a_transformers_reference(hf_folder, hs
     assert score.correct != score.correct_norm  # the two criteria really differ here
     # eval.py: its last line, exactly
     assert run_eval(["--init_from", hf_folder, "--hellaswag", hs_file], capsys)[-1] == score.line()
+    read, write = os.pipe()  # a pipe is read as the file (--hellaswag=/dev/stdin once said "does not exist")
+    assert os.write(write, hs_file.read_bytes()) == hs_file.stat().st_size  # (24 examples: one pipe buffer)
+    os.close(write)
+    try:
+        assert run_eval(["--init_from", hf_folder, "--hellaswag", f"/dev/fd/{read}"], capsys)[-1] == score.line()
+    finally:
+        os.close(read)
 
 
 def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path, capsys):
@@ -252,7 +259,9 @@ def test_training_evaluates_on_schedule_and_a_resume_neither_repeats_nor_skips(
 def test_eval_py_scores_a_checkpoint_with_its_dataset_loss(straight, bpe_data, small_file, capsys):
     out = run_eval(["--out_dir", straight, "--hellaswag", small_file, "--dataset=shakespeare",
                     "--data_dir", bpe_data, "--val_windows=8"], capsys)
-    assert any(re.fullmatch(r"shakespeare val loss \d+\.\d{4} over 8 windows of 16 tokens", line) for line in out)
+    # the label names the data read: --data_dir overrides --dataset (it once said "shakespeare")
+    assert any(re.fullmatch(rf"{re.escape(str(bpe_data))} val loss \d+\.\d{{4}} over 8 windows of 16 tokens", line)
+               for line in out)
     final = hellaswag_rows(straight)[-1]
     assert out[-1] == (f"hellaswag: acc {final['hellaswag_acc']:.4f} acc_norm {final['hellaswag_acc_norm']:.4f} "
                        f"over 10 examples")

@@ -56,6 +56,9 @@ def write(path, data: bytes):
 
 @pytest.mark.parametrize("args, message", [
     (["--out_dir=/nonexistent/out"], "out_dir /nonexistent/out does not exist: train first"),
+    ([lambda tmp: f"--out_dir={write(tmp / 'a_file', b'')}"], "a_file is not a folder: train first"),
+    (["--out_dir=" + "x" * 256], "the path xxxxxxxxxx"),  # (once a traceback: Path.is_dir raised)
+    (["--start=FILE:" + "p" * 256], "is too long for the file system (a name over 255 bytes"),
     (["--max_new_tokens=0"], "--max_new_tokens must be positive, got 0"),
     (["--max_new_tokens=-5"], "--max_new_tokens must be positive, got -5"),
     (["--num_samples=0"], "--num_samples must be positive, got 0"),
