@@ -39,12 +39,12 @@ TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special
 HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
-def gpt2_from_hf(hf_state, model):
+def gpt2_from_hf(hf_state, model, positions: int = None):
     """`model`'s state dict from a Hugging Face GPT-2 state dict, every name checked one to one.
 
-    The position table is cropped to model's block_size and the token rows padded to its
-    padded vocabulary. Raises ValueError naming the first tensor that is missing, extra or of
-    another shape.
+    The position table (of `positions` rows, config.json's n_positions, when given) is cropped to
+    model's block_size and the token rows padded to its padded vocabulary. Raises ValueError
+    naming the first tensor that is missing, extra or of another shape.
     """
     expected = model.state_dict()
     got = {}
@@ -61,7 +61,10 @@ def gpt2_from_hf(hf_state, model):
         if found:
             more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
             raise ValueError(f"the GPT-2 weights {problem} {found[0]}{more}")
-    cfg = model.config
+    cfg, rows = model.config, got["transformer.wpe.weight"].shape[0]
+    if positions not in (None, rows):  # else the crop below would hide it
+        raise ValueError(f"transformer.wpe.weight has {rows} rows in the GPT-2 weights, but config.json gives "
+                         f"n_positions={positions}: the two come from different models")
     got["transformer.wpe.weight"] = got["transformer.wpe.weight"][:cfg.block_size]
     wte = got["transformer.wte.weight"]
     if wte.shape[0] == cfg.vocab_size:
@@ -218,7 +221,7 @@ def load_state(init_from: str, model: GPT) -> dict:
             state = load_file(path)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        return gpt2_from_hf(state, model)
+        return gpt2_from_hf(state, model, read_shape(folder)["block_size"])
     except ValueError as e:
         raise ConfigError(f"{path}: {first_line(e, 400)}") from None
     except Exception as e:  # noqa: BLE001 - a damaged file, or one that would run code

@@ -164,6 +164,11 @@ def test_config_json_of_another_architecture_or_size_is_refused(tmp_path):
     pretrained.locate.cache_clear()
     with pytest.raises(ConfigError, match=r"a model of [\d,]+ weights, but .*model\.safetensors holds [\d,]+ bytes"):
         pretrained.load_gpt(str(tmp_path))
+    # fewer positions than the weights' table: it was cropped to them without a word
+    (tmp_path / "config.json").write_text(json.dumps({**config, "n_positions": 16}))
+    with pytest.raises(ConfigError, match="wpe.weight has 64 rows in the GPT-2 weights, but config.json gives "
+                                          "n_positions=16: the two come from different models"):
+        pretrained.load_gpt(str(tmp_path))
     # a hand-edited config.json: one line each, not a traceback or a silent int() of 2.5 or true
     (tmp_path / "config.json").write_text("[" * 100_000)  # nested past what the parser takes: a traceback once
     with pytest.raises(ConfigError, match="cannot be read: maximum recursion depth exceeded"):
