@@ -62,11 +62,20 @@ def read_prompt(start: str) -> str:
     return start
 
 
-def batches(num_samples: int, length: int, config, device):
-    """Sample counts per generate call, one at a time: all at once up to CHUNK_BYTES of key/value
-    caches, logits (float32) and `length` tokens, then in chunks of that size: a huge request runs
-    in bounded memory."""
-    per_sample = 8 * config.n_layer * config.block_size * config.n_embd + 12 * config.vocab_size + 8 * length
+def sample_bytes(prompt: int, new: int, config) -> int:
+    """The most memory generate takes for one sample (float32): its key/value caches, the activations of
+    its longest forward (the prompt, or the half block a full cache restarts from: once left out, they
+    took as much again as the caches), the logits and sampling's temporaries, and the ids."""
+    block, width = config.block_size, config.n_embd
+    tokens = min(block, max(prompt, block // 2 if prompt + new > block else 0))
+    return (8 * config.n_layer * block * width + 4 * width * (12 * tokens + 2 * block)  # (attention reads a
+            + 16 * config.padded_vocab_size + 8 * (prompt + new))                      # layer's cache as a copy)
+
+
+def batches(num_samples: int, prompt: int, new: int, config, device):
+    """Sample counts per generate call, one at a time: all at once up to CHUNK_BYTES of sample_bytes,
+    then in chunks of that size, so a huge request runs in bounded memory."""
+    per_sample = sample_bytes(prompt, new, config)
     if per_sample > available_memory(device):
         raise ConfigError(f"one sample needs {per_sample / 1e9:.1f} GB, more than {device} has available")
     chunk = max(1, CHUNK_BYTES // per_sample)
@@ -102,7 +111,7 @@ def main(argv=None):
     if hasattr(sys.stdout, "reconfigure"):  # a character the terminal's encoding lacks: \x.. escapes, not a traceback
         sys.stdout.reconfigure(errors="backslashreplace")
     generator = torch.Generator(device).manual_seed(args.seed)
-    for n in batches(args.num_samples, len(prompt) + args.max_new_tokens, model.config, device):
+    for n in batches(args.num_samples, len(prompt), args.max_new_tokens, model.config, device):
         idx = torch.tensor([prompt] * n, dtype=torch.long, device=device)  # (n, T)
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k or None, generator=generator)  # (n, T + new): one batch
