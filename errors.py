@@ -59,17 +59,16 @@ def reported(debug: bool = False, also: tuple = ()):
     except BrokenPipeError:  # stdout's reader went away (`| head`): end as a pipe's writer ends, quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit flushes stdout once more)
         sys.exit(128 + signal.SIGPIPE)
-    except OSError as e:
-        if e.errno != errno.ENAMETOOLONG or isinstance(e, also):  # a path argument no file system takes
+    except (ConfigError, RunError, KeyboardInterrupt, OSError, *also) as e:
+        too_long = isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG  # a path no file system takes
+        if isinstance(e, OSError) and not (too_long or isinstance(e, also)):
             raise
-        path = str(e.filename)
-        say(f"error: the path {path[:60]}{'[...]' * (len(path) > 60)} is too long for the file system (a name over "
-            f"255 bytes or a path over 4096): give a shorter path")
-        sys.exit(2)
-    except (ConfigError, RunError, KeyboardInterrupt, *also) as e:
         if debug:
             traceback.print_exc()
-        say(f"error: {'interrupted (Ctrl-C)' if isinstance(e, KeyboardInterrupt) else e}")
+        path = str(getattr(e, "filename", ""))
+        say(f"error: the path {path[:60]}{'[...]' * (len(path) > 60)} is too long for the file system (a name over "
+            f"255 bytes or a path over 4096): give a shorter path" if too_long else
+            f"error: {'interrupted (Ctrl-C)' if isinstance(e, KeyboardInterrupt) else e}")
         sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1 if isinstance(e, RunError) else 2)
     except Exception as e:  # torch.compile's failures (no C++ compiler, an op it cannot lower): a failed run
         if debug or not any(c.__name__ == "TorchDynamoException" for c in type(e).__mro__):
