@@ -61,15 +61,20 @@ def reported(debug: bool = False, also: tuple = ()):
         sys.exit(128 + signal.SIGPIPE)
     except (ConfigError, RunError, KeyboardInterrupt, OSError, *also) as e:
         too_long = isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG  # a path no file system takes
-        if isinstance(e, OSError) and not (too_long or isinstance(e, also)):
+        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) and e.filename is None and \
+            not isinstance(e, also)  # stdout's (the tools that write files list OSError in `also`, with a message)
+        if isinstance(e, OSError) and not (too_long or full or isinstance(e, also)):
             raise
         if debug:
             traceback.print_exc()
         path = str(getattr(e, "filename", ""))
+        if full:  # (the exit flushes stdout once more)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         say(f"error: the path {path[:60]}{'[...]' * (len(path) > 60)} is too long for the file system (a name over "
             f"255 bytes or a path over 4096): give a shorter path" if too_long else
+            f"error: the output could not be written ({e.strerror}): free disk space where stdout goes" if full else
             f"error: {'interrupted (Ctrl-C)' if isinstance(e, KeyboardInterrupt) else e}")
-        sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1 if isinstance(e, RunError) else 2)
+        sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1 if isinstance(e, RunError) or full else 2)
     except Exception as e:  # torch.compile's failures (no C++ compiler, an op it cannot lower): a failed run
         if debug or not any(c.__name__ == "TorchDynamoException" for c in type(e).__mro__):
             raise

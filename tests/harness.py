@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -352,3 +353,19 @@ def run_main(script: str, args, monkeypatch, capsys) -> Ran:
         os.environ.update(environ)
     out, err = capsys.readouterr()
     return Ran(code, out, err)
+
+
+@contextlib.contextmanager
+def small_disk(folder: Path, size: str):
+    """A real tmpfs of `size` at folder (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)

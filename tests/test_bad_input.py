@@ -5,7 +5,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -16,7 +15,7 @@ import train
 from config import resolve
 from data.files import link_or_copy
 from errors import ConfigError, RunError
-from harness import tiny_args, train_here
+from harness import small_disk, tiny_args, train_here
 from model import GPT
 
 
@@ -264,16 +263,8 @@ def test_a_kill_while_best_is_written_leaves_last_one_save_behind(trained_copy, 
 
 @pytest.mark.slow  # mount and umount are processes
 def test_a_full_disk_leaves_the_previous_checkpoint_loadable(trained, tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
     size = (trained / "last.pt").stat().st_size
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 2 + 65536}", "tmpfs",
-                              str(disk)], capture_output=True, text=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with small_disk(tmp_path / "disk", str(size * 2 + 65536)) as disk:
         shutil.copy(trained / "last.pt", disk / "last.pt")
         big = torch.load(disk / "last.pt", weights_only=True)
         big["padding"] = torch.zeros(size // 2, dtype=torch.uint8)  # the new one cannot fit
@@ -281,8 +272,6 @@ def test_a_full_disk_leaves_the_previous_checkpoint_loadable(trained, tmp_path):
             checkpoint.save(big, disk, best=False)
         assert torch.load(disk / "last.pt", weights_only=True)["step"] == 10
         assert not list(disk.glob(".*.tmp"))
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -61,6 +61,15 @@ def test_char_prepare_round_trips_the_text(tmp_path, text_file):
     train, val = (np.fromfile(out / f"{split}.bin", dtype=np.uint16) for split in ("train", "val"))
     assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
     assert decode(train) + decode(val) == TEXT
+    read, write = os.pipe()  # a pipe (--input=/dev/stdin, <(zcat ...)) once said "does not exist"
+    assert os.write(write, TEXT.encode()) == len(TEXT.encode())  # (one pipe buffer)
+    os.close(write)
+    try:
+        piped = char_prepare.main(["--input", f"/dev/fd/{read}", "--out_dir", str(tmp_path / "piped")])
+    finally:
+        os.close(read)
+    assert piped["source"]["sha256"] == meta["source"]["sha256"]
+    assert (tmp_path / "piped" / "train.bin").read_bytes() == train.tobytes()
 
 
 @pytest.mark.slow

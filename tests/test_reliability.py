@@ -14,7 +14,6 @@ import sys
 import time
 import tracemalloc
 import weakref
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ import sample
 import train
 from config import resolve
 from errors import ConfigError, LogNotWritten
-from harness import REPO, child_env, run_world, tiny_args, without_log
+from harness import REPO, child_env, run_world, small_disk, tiny_args, without_log
 from model import GPT, GPTConfig
 
 
@@ -49,22 +48,6 @@ def one_error(err: str) -> str:
     lines = {line for line in err.splitlines() if line.startswith("error:")}
     assert len(lines) == 1, err
     return lines.pop()
-
-
-@contextmanager
-def small_disk(folder: Path, size: str):
-    """A real tmpfs of `size` at folder (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    folder.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                             capture_output=True, text=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
 
 
 def fill(disk: Path, leave: int = 0) -> Path:

@@ -1,11 +1,13 @@
 """sample.py on a checkpoint from a short run, in this process (its __main__ run by runpy)."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from harness import SEPARATOR
+from harness import REPO, SEPARATOR, child_env
 
 
 @pytest.fixture
@@ -183,3 +185,14 @@ def test_text_the_terminal_cannot_encode_is_escaped_not_a_traceback(trained, sam
     ascii_out.flush()
     assert proc.returncode == 0, proc.stderr
     assert ascii_out.buffer.getvalue().startswith(b"caf\\xe9 the")
+
+
+@pytest.mark.slow  # a process of its own: its stdout is the full device
+def test_output_onto_a_full_disk_is_one_line(trained):
+    with open("/dev/full", "w") as full:  # (`python sample.py > samples.txt` on a full disk was a traceback)
+        ran = subprocess.run([sys.executable, "sample.py", f"--out_dir={trained}", "--max_new_tokens=5"], cwd=REPO,
+                             env=child_env(), stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    lines = ran.stderr.splitlines()
+    assert ran.returncode == 1 and lines[-1] == ("error: the output could not be written (No space left on device): "
+                                                 "free disk space where stdout goes"), ran.stderr
+    assert not any("Traceback" in line or "Exception ignored" in line for line in lines), ran.stderr

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sharded import TMP, Background, _MetadataUnpickler
-from harness import ckpt, no_temporaries, tiny_args, train_here
+from harness import ckpt, no_temporaries, small_disk, tiny_args, train_here
 
 SAME = dict(max_iters=12, eval_interval=4, lr_decay_iters=12)  # one schedule for every leg
 
@@ -194,6 +194,15 @@ def test_the_converter_checks_a_folder_before_writing(sharded, tmp_path, script,
     assert ran.returncode == 2 and ran.stderr == (f"error: {out / 'previous.dcp'}: its weights or moments hold NaN or inf: "
                                                   f"nothing converted\n"), ran.stderr
     assert not (tmp_path / "x.pt").exists()
+
+
+@pytest.mark.slow  # mount and umount are processes
+def test_the_converter_onto_a_full_disk_is_one_line(sharded, tmp_path, script):
+    with small_disk(tmp_path / "disk", "64k") as disk:  # torch's zip writer said "unexpected pos 57408 vs 57360"
+        ran = script("scripts/convert_checkpoint.py", sharded / "last.dcp", disk / "x.pt")
+        assert ran.returncode == 2 and ran.stderr.startswith(f"error: cannot write {disk / 'x.pt'}: No space left on "
+                                                             f"device: a checkpoint takes about"), ran.stderr
+        assert ran.stderr.count("\n") == 1 and list(disk.iterdir()) == []
 
 
 def test_a_background_save_whose_folder_is_gone_still_ends_with_its_failure(tmp_path):
