@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.files import read_json  # noqa: E402
+from data.files import atomic_write, read_json  # noqa: E402
 from errors import ArgumentParser, ConfigError, reported  # noqa: E402
 from logger import read_metrics  # noqa: E402
 
@@ -95,8 +95,10 @@ def plot(runs: dict, out: Path):
         axes[2].grid(alpha=0.3)
         axes[2].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    try:  # whole or not at all: a full disk once left a cut-short picture in place of the last one
+        atomic_write(out, lambda f: fig.savefig(f, dpi=120, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def main(argv=None):
@@ -118,12 +120,16 @@ def main(argv=None):
     runs = {}
     for i, folder in enumerate(args.out_dirs):
         r = read_run(Path(folder))
-        runs[labels[i] if labels else names[i] + (f" (W={r['world']})" if r["world"] else "")] = r
+        label = labels[i] if labels else names[i] + (f" (W={r['world']})" if r["world"] else "")
+        runs[label.encode("utf-8", "backslashreplace").decode()] = r  # (a name's non-UTF-8 bytes as \udcff)
     out = Path(args.out)
     if out.suffix.lower() != ".png":
         raise ConfigError(f"--out={out}: give a .png file name")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    plot(runs, out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        plot(runs, out)
+    except OSError as e:
+        raise ConfigError(f"cannot write {out}: {e.strerror or e}") from None
     print(f"{len(runs)} run{'s' if len(runs) > 1 else ''} -> {out}")
 
 
