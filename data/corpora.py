@@ -38,7 +38,7 @@ def prepare_parser(doc: str, input_help: str = "a local UTF-8 text file to use i
     from errors import ArgumentParser  # (one line for a bad option, as for any bad input)
     parser = ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--input", type=_given, help=input_help)
-    parser.add_argument("--out_dir", type=_given, help="where to write the dataset (default: this script's folder)")
+    parser.add_argument("--out_dir", type=_folder, help="where to write the dataset (default: this script's folder)")
     return parser
 
 
@@ -47,6 +47,13 @@ def _given(text: str) -> str:
     dataset, and --input= meant no local file (a download)."""
     if not text:
         raise argparse.ArgumentTypeError("is empty: leave the option out for its default")
+    return text
+
+
+def _folder(text: str) -> str:
+    """--out_dir: given, and not a file (found once the whole corpus had been read, as "File exists")."""
+    if Path(_given(text)).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not a folder: give the folder to write the dataset into")
     return text
 
 

@@ -301,6 +301,10 @@ def test_an_empty_out_dir_or_input_is_refused(tmp_path, script, name):
                       f"{option}=")
         assert proc.returncode == 2 and proc.stderr == (f"error: argument {option}: is empty: leave the option out "
                                                         f"for its default (see prepare.py --help)\n"), proc.stderr
+    (tmp_path / "a_file").write_text("")  # a file, not a folder: said at once, not "File exists" after the corpus
+    proc = script(f"data/{name}/prepare.py", f"--input={tmp_path / 'missing.txt'}", f"--out_dir={tmp_path / 'a_file'}")
+    assert proc.returncode == 2 and proc.stderr == (f"error: argument --out_dir: {tmp_path / 'a_file'} is not a folder: "
+                                                    f"give the folder to write the dataset into (see prepare.py --help)\n")
 
 
 def test_no_corpus_to_be_had_is_one_line(tmp_path, script, monkeypatch):
