@@ -14,7 +14,6 @@ docs/eval.md says what the numbers mean and what GPT-2 scores. Every bad input e
 line on stderr and exit status 2.
 """
 
-
 import pretrained
 from collectives import agree_or_raise, collective_failures_explained, differs_from_rank0, process_group
 from config import Config

@@ -47,7 +47,7 @@ def main(argv=None):
     try:
         atomic_write(args.dest, lambda f: torch.save(state, f))
     except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as a RuntimeError
-        why = e.strerror or str(e) if isinstance(e, OSError) else disk_full(e, args.dest.parent, tensor_bytes(state))
+        why = (e.strerror or str(e)) if isinstance(e, OSError) else disk_full(e, args.dest.parent, tensor_bytes(state))
         if why is None:
             raise
         raise ConfigError(f"cannot write {args.dest}: {why}") from None
