@@ -16,7 +16,7 @@ line on stderr and exit status 2.
 
 import pretrained
 from collectives import agree_or_raise, collective_failures_explained, differs_from_rank0, process_group
-from config import Config
+from config import Config, validate
 from errors import ArgumentParser, ConfigError, reported
 from evals import hellaswag
 from loader import dataset_dir, eval_starts, read_dataset, token_splits
@@ -53,7 +53,7 @@ def check(args):
 
 def val_split(args, model) -> tuple:
     """(tokens, window starts) of --dataset's val split, checked against the model's vocabulary."""
-    cfg = Config(dataset=args.dataset, data_dir=args.data_dir, block_size=model.config.block_size)
+    cfg = validate(Config(dataset=args.dataset, data_dir=args.data_dir, block_size=model.config.block_size))
     meta = read_dataset(cfg)
     if meta["vocab_size"] != model.config.vocab_size:
         raise ConfigError(f"{dataset_dir(cfg)} has a vocabulary of {meta['vocab_size']} tokens, the model "

@@ -280,6 +280,8 @@ def test_eval_py_says_a_val_split_is_too_short_for_the_model_without_train_py_fl
     (short / "meta.json").write_text(json.dumps({**json.loads((short / "meta.json").read_text()), "val_tokens": 10}))
     line = fails(["--out_dir", straight, "--hellaswag", small_file, "--data_dir", short], capsys)
     assert line.endswith("(10 tokens; it needs 17): use more data, or a model of a smaller block_size"), line
+    line = fails(["--out_dir", straight, "--hellaswag", small_file, "--data_dir", tmp_path / ("x" * 300)], capsys)
+    assert line.startswith("error: data_dir is not a path a file system takes"), line  # as train.py says it
 
 
 def test_a_character_level_model_is_refused(char_data, small_file, tmp_path, capsys):
