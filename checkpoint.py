@@ -42,10 +42,15 @@ def save(state: dict, out_dir: Path, best: bool, rotate: bool = True):
             link_or_copy(tmp, out_dir / "best.pt")
         if last.exists() and rotate:  # last: a copy that fails (no hard links, a full disk) leaves previous as it was
             link_or_copy(last, out_dir / "previous.pt")
+    write(state, last, link)
+
+
+def write(state: dict, path: Path, before_rename=None):
+    """torch.save `state` to `path` atomically (also scripts/convert_checkpoint.py); a full disk is an OSError."""
     try:
-        atomic_write(last, lambda f: torch.save(state, f), before_rename=link)
+        atomic_write(path, lambda f: torch.save(state, f), before_rename=before_rename)
     except RuntimeError as e:  # torch's zip writer reports a full disk so
-        full = disk_full(e, out_dir, tensor_bytes(state))
+        full = disk_full(e, path.parent, tensor_bytes(state))
         if full is None:
             raise
         raise OSError(errno.ENOSPC, full) from None

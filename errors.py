@@ -57,7 +57,7 @@ def reported(debug: bool = False, also: tuple = ()):
     try:
         yield
     except BrokenPipeError:  # stdout's reader went away (`| head`): end as a pipe's writer ends, quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit flushes stdout once more)
+        _stdout_gone()
         sys.exit(128 + signal.SIGPIPE)
     except (ConfigError, RunError, KeyboardInterrupt, OSError, *also) as e:
         too_long = isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG  # a path no file system takes
@@ -67,13 +67,15 @@ def reported(debug: bool = False, also: tuple = ()):
             raise
         if debug:
             traceback.print_exc()
-        path = str(getattr(e, "filename", ""))
-        if full:  # (the exit flushes stdout once more)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        say(f"error: the path {path[:60]}{'[...]' * (len(path) > 60)} is too long for the file system (a name over "
-            f"255 bytes or a path over 4096): give a shorter path" if too_long else
-            f"error: the output could not be written ({e.strerror}): free disk space where stdout goes" if full else
-            f"error: {'interrupted (Ctrl-C)' if isinstance(e, KeyboardInterrupt) else e}")
+        message = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else e
+        if too_long:
+            path = str(e.filename)
+            message = (f"the path {path[:60]}{'[...]' * (len(path) > 60)} is too long for the file system (a name "
+                       f"over 255 bytes or a path over 4096): give a shorter path")
+        elif full:
+            _stdout_gone()
+            message = f"the output could not be written ({e.strerror}): free disk space where stdout goes"
+        say(f"error: {message}")
         sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1 if isinstance(e, RunError) or full else 2)
     except Exception as e:  # torch.compile's failures (no C++ compiler, an op it cannot lower): a failed run
         if debug or not any(c.__name__ == "TorchDynamoException" for c in type(e).__mro__):
@@ -81,6 +83,11 @@ def reported(debug: bool = False, also: tuple = ()):
         inner = getattr(e, "inner_exception", None) or e  # what the compiler itself raised
         say(f"error: torch.compile failed ({type(inner).__name__}: {first_line(inner)}): run with --compile=False")
         sys.exit(1)
+
+
+def _stdout_gone():
+    """Point stdout at /dev/null: the exit flushes it once more, which would fail again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def say(line: str):

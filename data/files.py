@@ -57,6 +57,12 @@ def write_temp(path: Path, write) -> Path:
     return tmp
 
 
+def why_unreadable(path):
+    """'is a folder' or 'does not exist' for a path given as a file to read; None when it reads (a file or
+    a pipe: /dev/stdin, <(zcat ...))."""
+    return "is a folder" if Path(path).is_dir() else None if Path(path).exists() else "does not exist"
+
+
 def atomic_write(path, write, before_rename=None) -> None:
     """Call write(file) so that readers of `path` see the old file or the new one, never a part;
     before_rename(tmp) runs on the whole temporary file (checkpoint.py links best.pt to it)."""

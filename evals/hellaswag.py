@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from collectives import agree_or_raise, differs_from_rank0
-from data.files import atomic_write_bytes, cache_dir, parse_json
+from data.files import atomic_write_bytes, cache_dir, parse_json, why_unreadable
 from errors import ConfigError, HellaSwagMissing, first_line
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -50,9 +50,8 @@ def git_blob_sha1(data: bytes) -> str:
 def locate(path: str = "") -> Path:
     """The validation file: `path` when given, else the cached copy, else downloaded into the cache."""
     if path:
-        if not Path(path).exists() or Path(path).is_dir():  # (a pipe reads: --hellaswag=/dev/stdin)
-            raise ConfigError(f"HellaSwag file {path} {'is a folder' if Path(path).is_dir() else 'does not exist'}: "
-                              f"give the path of a hellaswag_val.jsonl")
+        if why := why_unreadable(path):
+            raise ConfigError(f"HellaSwag file {path} {why}: give the path of a hellaswag_val.jsonl")
         return Path(path)
     cache = cache_path()
     if cache.is_file():

@@ -18,7 +18,6 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 import checkpoint  # noqa: E402
-from data.files import atomic_write, disk_full, tensor_bytes  # noqa: E402
 from config import FIELD_TYPES, Config  # noqa: E402
 from errors import ArgumentParser, ConfigError, first_line, reported  # noqa: E402
 
@@ -45,12 +44,9 @@ def main(argv=None):
     if problem:
         raise ConfigError(f"{args.source}: {problem}: nothing converted")
     try:
-        atomic_write(args.dest, lambda f: torch.save(state, f))
-    except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as a RuntimeError
-        why = (e.strerror or str(e)) if isinstance(e, OSError) else disk_full(e, args.dest.parent, tensor_bytes(state))
-        if why is None:
-            raise
-        raise ConfigError(f"cannot write {args.dest}: {why}") from None
+        checkpoint.write(state, args.dest)
+    except OSError as e:
+        raise ConfigError(f"cannot write {args.dest}: {e.strerror or e}") from None
     n = state['world_size']
     print(f"{args.source} (step {state['step']}, written by {n} process{'es' * (n != 1)}) -> {args.dest}")
 
