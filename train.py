@@ -15,6 +15,7 @@ a sharded checkpoint). A mistake ends every rank at once, with one message (docs
 """
 
 import math
+import os
 import signal
 import sys
 from contextlib import closing
@@ -169,8 +170,8 @@ class Run:
         last = out_dir / f"last{'.dcp' if self.cfg.checkpoint_format == 'sharded' else '.pt'}"
         # resumed from another of out_dir's checkpoints than this last (it was damaged, or older than
         # the other format's last), nothing saved since: this last must not become previous
-        resumed = Path(self.resumed_from or last).resolve()  # (however the path was written)
-        rotate = resumed == last.resolve() or resumed.parent != out_dir.resolve() or self.saved[0] != resumed.name
+        resumed, real = Path(self.resumed_from or last), os.path.realpath  # (Path.resolve raises on a link loop)
+        rotate = real(resumed) == real(last) or real(resumed.parent) != real(out_dir) or self.saved[0] != resumed.name
         try:
             if self.cfg.checkpoint_format == "sharded":  # every rank writes its own part
                 self.pending = sharded.save_run(self.raw_model, self.optimizer, self.state_dict(False, log.text()),

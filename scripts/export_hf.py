@@ -14,6 +14,7 @@ loads it and computes the logits this repo computes. A character-level model is 
 bias=False gets zero biases, which compute the same. Bad input: one line on stderr, exit 2.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def main(argv=None):
     if not args.to:  # (an unset shell variable): it would write into the current folder
         raise ConfigError("--to is empty: give the folder to write")
     pretrained.run_folder(out_dir)
-    if to.resolve() == out_dir.resolve():
+    if os.path.realpath(to) == os.path.realpath(out_dir):  # (Path.resolve raises on a link loop)
         raise ConfigError(f"--to={to} is the run's own folder: give another folder, its config.json would clash")
     if args.checkpoint == "last" and not any((out_dir / f"last{s}").exists() for s in (".pt", ".dcp")):
         raise ConfigError(f"no last.pt or last.dcp in {out_dir}: use --checkpoint=best, or train first")

@@ -13,6 +13,7 @@ metrics.jsonl, or with no loss in it, is one line on stderr and exit 2; an unrea
 it (cut short by a kill) is skipped with a warning, as train.py does on a resume.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -114,7 +115,7 @@ def main(argv=None):
         raise ConfigError(f"--labels={args.labels} repeats a name: give each run its own")
     names = [Path(folder).name for folder in args.out_dirs]
     if len(set(names)) < len(names):  # exp1/out, exp2/out: the paths tell them apart
-        names = [str(Path(folder).resolve()) for folder in args.out_dirs]
+        names = [os.path.realpath(folder) for folder in args.out_dirs]
     if len(set(names)) < len(names):
         raise ConfigError("a folder is given twice: give each run once")
     runs = {}

@@ -358,6 +358,8 @@ def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data,
     exported = script("scripts/export_hf.py", f"--out_dir={out}", "--checkpoint=last", f"--to={tmp_path / 'hf'}")
     assert exported.returncode == 0, exported.stderr
     assert sorted(f.name for f in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    (tmp_path / "loop").symlink_to("loop")  # Path.resolve raised on a link loop: a traceback once
+    fails_with(["scripts/export_hf.py", f"--out_dir={out}", f"--to={tmp_path / 'loop'}"], "cannot write")
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     assert hf.config.vocab_size == json.loads((out / "meta.json").read_text())["vocab_size"]
     assert hf.config.bos_token_id is None and hf.config.eos_token_id is None  # once 50256: generate() indexed past
