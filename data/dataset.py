@@ -100,7 +100,7 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
         arrays[name] = ids.astype(dtype)
     meta = {"vocab_size": vocab_size, "dtype": dtype.name, **meta, "train_tokens": arrays["train.bin"].size,
             "val_tokens": arrays["val.bin"].size, "format": DATASET_FORMAT}
-    meta_bytes = (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    meta_bytes = (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
     with preparing(out_dir):  # another preparation into out_dir waits; what a killed one left goes
         temps = {}
         try:

@@ -70,6 +70,10 @@ def test_char_prepare_round_trips_the_text(tmp_path, text_file):
         os.close(read)
     assert piped["source"]["sha256"] == meta["source"]["sha256"]
     assert (tmp_path / "piped" / "train.bin").read_bytes() == train.tobytes()
+    odd = tmp_path / "text\udcff.txt"  # a file name that is not UTF-8: meta.json could not be written once
+    odd.write_bytes(TEXT.encode())
+    char_prepare.main(["--input", str(odd), "--out_dir", str(tmp_path / "odd")])
+    assert load_meta(tmp_path / "odd")["source"]["path"] == str(odd.resolve())
 
 
 @pytest.mark.slow
