@@ -47,8 +47,7 @@ def check(args):
         raise ConfigError(f"--dist_timeout must be positive seconds, at most 1e6, got {args.dist_timeout}")
     if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
-    if not args.init_from:
-        pretrained.run_folder(args.out_dir)
+    pretrained.check_source(args)
 
 
 def val_split(args, model) -> tuple:

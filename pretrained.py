@@ -237,9 +237,17 @@ def load_gpt(init_from: str, device="cpu", shape: dict = None) -> GPT:
 
 
 def add_source_args(parser):
-    """sample.py's and eval.py's --out_dir and --init_from: where the model comes from."""
-    parser.add_argument("--out_dir", default="out", help="a run's folder: its best (else last) checkpoint, meta.json")
+    """sample.py's and eval.py's --out_dir and --init_from: where the model comes from (check_source)."""
+    parser.add_argument("--out_dir", help="a run's folder (default: out): its best (else last) checkpoint, meta.json")
     parser.add_argument("--init_from", default="", help="gpt2, gpt2-medium, -large, -xl or a Hugging Face folder")
+
+
+def check_source(args):
+    """--out_dir or --init_from, not both (one would be ignored), checked before anything is loaded."""
+    if args.init_from and args.out_dir is not None:
+        raise ConfigError(f"--init_from={args.init_from} and --out_dir={args.out_dir} both name the model: give one")
+    if not args.init_from:
+        args.out_dir = run_folder("out" if args.out_dir is None else args.out_dir)
 
 
 def run_folder(out_dir) -> Path:

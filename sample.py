@@ -92,8 +92,7 @@ def check(args):
                            ("top_k", args.top_k >= 0, ">= 0 (0 = no top-k filtering)")):
         if not ok:
             raise ConfigError(f"--{name} must be {rule}, got {getattr(args, name)}")
-    if not args.init_from:
-        pretrained.run_folder(args.out_dir)
+    pretrained.check_source(args)
 
 
 def main(argv=None):

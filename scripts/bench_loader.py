@@ -90,8 +90,8 @@ def main():
     from world import available_memory
     need = 24 * args.batch_size * (args.block_size + 1) + 16 * args.batch_size  # int64 windows, x, y; the order
     if need > available_memory(torch.device("cpu")):  # (it once grew for minutes, then ran out)
-        raise ConfigError(f"--batch_size={args.batch_size:,} needs {need / 1e9:,.1f} GB a batch, more than this host "
-                          f"has available")
+        raise ConfigError(f"--batch_size={args.batch_size:,} x --block_size={args.block_size:,} needs {need / 1e9:,.1f} "
+                          f"GB a batch, more than this host has available")
     smallest = 2 * 20 * 2 * args.block_size  # uint16: each of 20 shards holds a window at any offset (loader.py)
     if max(sizes) > 10**12:  # sparse files, but past a terabyte the file system or the window index gives out
         raise ConfigError(f"--sizes: {max(sizes):,} bytes is more than this benchmark makes (at most 1e12)")

@@ -401,6 +401,8 @@ def test_batched_generation_gives_each_row_its_own_tokens():
 
 def test_sample_init_from_missing_folder_is_one_line(tmp_path, fails_with):
     fails_with(["sample.py", f"--init_from={tmp_path / 'nothing'}"], "no Hugging Face GPT-2 model there")
+    for tool in ("sample.py", "eval.py"):  # --out_dir was ignored without a word
+        fails_with([tool, "--init_from=gpt2", "--out_dir=out"], "both name the model: give one")
 
 
 def test_sample_py_generates_all_samples_in_one_call(monkeypatch, capsys, hf_folder):
