@@ -37,12 +37,12 @@ def prepare_parser(doc: str, input_help: str = "a local UTF-8 text file to use i
     """The options every prepare script takes; a script may add its own."""
     from errors import ArgumentParser  # (one line for a bad option, as for any bad input)
     parser = ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--input", type=_given, help=input_help)
+    parser.add_argument("--input", type=given, help=input_help)
     parser.add_argument("--out_dir", type=_folder, help="where to write the dataset (default: this script's folder)")
     return parser
 
 
-def _given(text: str) -> str:
+def given(text: str) -> str:
     """An option's value that may not be empty: --out_dir= (an unset shell variable) wrote over the default
     dataset, and --input= meant no local file (a download)."""
     if not text:
@@ -52,7 +52,7 @@ def _given(text: str) -> str:
 
 def _folder(text: str) -> str:
     """--out_dir: given, and not a file (found once the whole corpus had been read, as "File exists")."""
-    if Path(_given(text)).exists() and not Path(text).is_dir():
+    if Path(given(text)).exists() and not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text} is not a folder: give the folder to write the dataset into")
     return text
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.files import atomic_write, read_json  # noqa: E402
+from data.files import atomic_write, read_json, why_unreadable  # noqa: E402
 from errors import ArgumentParser, ConfigError, reported  # noqa: E402
 from logger import read_metrics  # noqa: E402
 
@@ -30,8 +30,8 @@ def read_run(out_dir: Path) -> dict:
     """Train and val points (step, tokens seen, loss) of one run; the last line wins per step
     (a resumed run may log a step again)."""
     path = out_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise ConfigError(f"{path} does not exist: give the out_dir of a training run")
+    if not path.is_file():  # (a pipe would wait for a writer)
+        raise ConfigError(f"{path} {why_unreadable(path) or 'is not a file'}: give the out_dir of a training run")
     train, val, hellaswag, tokens_per_step = {}, {}, {}, None
     for row in read_metrics(path, "skipped"):
         # an edit's "high", or 1e308 (matplotlib cannot lay an axis out to it), is not plotted

@@ -153,6 +153,7 @@ def test_plot_runs_bad_input_is_one_line(tmp_path, script):
     (tmp_path / "empty").mkdir()
     (tmp_path / "nolosses").mkdir()
     (tmp_path / "nolosses" / "metrics.jsonl").write_text("")
+    (tmp_path / "odd" / "metrics.jsonl").mkdir(parents=True)  # once "does not exist"
     for run in ("a", "b"):  # two runs named "out", links to themselves: Path.resolve raised, a traceback once
         (tmp_path / run).mkdir()
         (tmp_path / run / "out").symlink_to("out")
@@ -161,7 +162,8 @@ def test_plot_runs_bad_input_is_one_line(tmp_path, script):
                          ([str(tmp_path / "nolosses"), "--labels=a,b"], "2 names for 1 folders"),
                          ([str(tmp_path / "empty")] * 2, "a folder is given twice"),
                          ([str(tmp_path / "empty"), str(tmp_path / "nolosses"), "--labels=a,a"], "repeats a name"),
-                         ([str(tmp_path / "a" / "out"), str(tmp_path / "b" / "out")], "metrics.jsonl does not exist")):
+                         ([str(tmp_path / "a" / "out"), str(tmp_path / "b" / "out")], "metrics.jsonl does not exist"),
+                         ([str(tmp_path / "odd")], "metrics.jsonl is a folder")):
         proc = script("scripts/plot_runs.py", *args)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
 

@@ -297,10 +297,11 @@ def test_prepare_with_bad_input_exits_2_and_writes_nothing(tmp_path, script, nam
         assert "Traceback" not in proc.stderr and not out.exists()
 
 
-@pytest.mark.parametrize("name", ["shakespeare_char", "fineweb"])
+@pytest.mark.parametrize("name", ["shakespeare_char", "shakespeare", "fineweb"])
 def test_an_empty_out_dir_or_input_is_refused(tmp_path, script, name):
-    # --out_dir= (an unset shell variable) wrote over the default dataset; --input= meant the hub
-    for option in ("--out_dir", "--input"):
+    # --out_dir= (an unset shell variable) wrote over the default dataset; --input= meant the hub;
+    # --bpe_file= meant data/gpt2.tiktoken
+    for option in ("--out_dir", "--input", *["--bpe_file"] * (name == "shakespeare")):
         proc = script(f"data/{name}/prepare.py", f"--input={tmp_path / 'missing.txt'}", f"--out_dir={tmp_path}",
                       f"{option}=")
         assert proc.returncode == 2 and proc.stderr == (f"error: argument {option}: is empty: leave the option out "

@@ -14,7 +14,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `data` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.corpora import errors_exit_2, load_corpus, prepare_parser, split_text
+from data.corpora import errors_exit_2, given, load_corpus, prepare_parser, split_text
 from data.dataset import write_dataset
 from data.tokenizers import encode_with_progress, gpt2_encoding
 
@@ -38,7 +38,7 @@ def prepare(out_dir=None, input_path=None, bpe_file=None) -> dict:
 
 def main(argv=None) -> dict:
     parser = prepare_parser(__doc__)
-    parser.add_argument("--bpe_file", help="a local gpt2.tiktoken (r50k_base.tiktoken) vocabulary file")
+    parser.add_argument("--bpe_file", type=given, help="a local gpt2.tiktoken (r50k_base.tiktoken) vocabulary file")
     args = parser.parse_args(argv)
     return prepare(out_dir=args.out_dir, input_path=args.input, bpe_file=args.bpe_file)
 
