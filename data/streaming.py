@@ -250,53 +250,53 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
     gpt2_encoding(verbose=False)  # a bad vocabulary file is one line here, not in every worker
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    lock = preparing(out_dir)  # (held until this returns) another preparation waits; a killed one's shard goes
-    settings = recorded(settings, prefix, shard_tokens, source)
-    if (meta := finished(out_dir, settings)) is not None:
-        return meta
-    progress = read_progress(out_dir, settings)
-    streams = {name: ShardStream(out_dir, prefix, shard_tokens, split_of_shard[name],
-                                 progress["streams"].get(name)) for name in split_of_shard}
-    counts = list(counts or progress["counts"])  # documents per file, as far as known
-    start_doc = min(s.resume[0] for s in streams.values())
-    bar = tqdm(unit="tok", unit_scale=True, desc=f"{prefix} shards", disable=None,
-               initial=sum(sh["tokens"] for s in streams.values() for sh in s.shards))
+    with preparing(out_dir):  # another preparation waits; a killed one's shard goes; a full disk is named
+        settings = recorded(settings, prefix, shard_tokens, source)
+        if (meta := finished(out_dir, settings)) is not None:
+            return meta
+        progress = read_progress(out_dir, settings)
+        streams = {name: ShardStream(out_dir, prefix, shard_tokens, split_of_shard[name],
+                                     progress["streams"].get(name)) for name in split_of_shard}
+        counts = list(counts or progress["counts"])  # documents per file, as far as known
+        start_doc = min(s.resume[0] for s in streams.values())
+        bar = tqdm(unit="tok", unit_scale=True, desc=f"{prefix} shards", disable=None,
+                   initial=sum(sh["tokens"] for s in streams.values() for sh in s.shards))
 
-    def on_shard():
-        atomic_write_bytes(out_dir / PROGRESS, json.dumps({"settings": settings, "counts": counts, "streams": {
-            name: s.state() for name, s in streams.items()}}).encode())
-        bar.set_postfix(shards=sum(len(s.shards) for s in streams.values()))
+        def on_shard():
+            atomic_write_bytes(out_dir / PROGRESS, json.dumps({"settings": settings, "counts": counts, "streams": {
+                name: s.state() for name, s in streams.items()}}).encode())
+            bar.set_postfix(shards=sum(len(s.shards) for s in streams.values()))
 
-    def documents() -> Iterator[tuple]:
-        first = 0
-        for i, name in enumerate(source.names):
-            if i < len(counts) and first + counts[i] <= start_doc:
-                first += counts[i]  # every document of this file is in written shards already
-                continue
-            n = 0
-            for n, text in enumerate(read_documents(source.fetch(i)), 1):
-                if streams[route(first + n - 1)].wants(first + n - 1):
-                    yield first + n - 1, text
-            source.release(i)
-            counts[i:i + 1] = [n]  # known before, or the next file read
-            first += n
+        def documents() -> Iterator[tuple]:
+            first = 0
+            for i, name in enumerate(source.names):
+                if i < len(counts) and first + counts[i] <= start_doc:
+                    first += counts[i]  # every document of this file is in written shards already
+                    continue
+                n = 0
+                for n, text in enumerate(read_documents(source.fetch(i)), 1):
+                    if streams[route(first + n - 1)].wants(first + n - 1):
+                        yield first + n - 1, text
+                source.release(i)
+                counts[i:i + 1] = [n]  # known before, or the next file read
+                first += n
 
-    def take(encoded):
-        for doc, tokens in encoded:
-            streams[route(doc)].add(doc, tokens, on_shard)
-            bar.update(len(tokens))
+        def take(encoded):
+            for doc, tokens in encoded:
+                streams[route(doc)].add(doc, tokens, on_shard)
+                bar.update(len(tokens))
 
-    # Two blocks in flight at most, so memory stays bounded (Pool.imap would read all ahead).
-    with mp.get_context("spawn").Pool(workers, initializer=_start_worker) as pool:
-        pending, docs = [], documents()
-        for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
-            pending.append(pool.map_async(_encode, block, chunksize=16))
-            if len(pending) == 2:
-                take(pending.pop(0).get())
-        for result in pending:
-            take(result.get())
-    bar.close()
-    return _finish(source, out_dir, streams, counts, settings, shard_tokens, on_shard)
+        # Two blocks in flight at most, so memory stays bounded (Pool.imap would read all ahead).
+        with mp.get_context("spawn").Pool(workers, initializer=_start_worker) as pool:
+            pending, docs = [], documents()
+            for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
+                pending.append(pool.map_async(_encode, block, chunksize=16))
+                if len(pending) == 2:
+                    take(pending.pop(0).get())
+            for result in pending:
+                take(result.get())
+        bar.close()
+        return _finish(source, out_dir, streams, counts, settings, shard_tokens, on_shard)
 
 
 def _finish(source: Source, out_dir: Path, streams: dict, counts: list, settings: dict, shard_tokens: int,

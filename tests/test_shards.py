@@ -23,7 +23,7 @@ from data import streaming
 from data.dataset import Shard, read_shard_header, write_shard
 from data.tokenizers import gpt2_encoding
 from harness import (REPO, assert_close_runs, ckpt, make_char_dataset, read_epochs, record_epochs, shard_dataset,
-                     tiny_args, train_log, train_run)
+                     small_disk, tiny_args, train_log, train_run)
 from loader import ShardedTokenLoader, Tokens
 
 WORDS = ("the king queen fool lord speaks laughs sleeps at night in the hall for love again softly "
@@ -106,7 +106,7 @@ def test_openwebtext_prepare_splits_documents_by_nanogpts_rule(corpus, tmp_path)
 
 
 @pytest.mark.slow
-def test_a_prepare_killed_midway_continues_to_byte_identical_shards(corpus, tmp_path):
+def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shards(corpus, tmp_path):
     folder, _ = corpus
     args = [f"--input={folder}/part*", "--shard_tokens=3000", "--workers=1"]
     assert prepare("fineweb", *args, f"--out_dir={tmp_path / 'straight'}").returncode == 0
@@ -127,6 +127,16 @@ def test_a_prepare_killed_midway_continues_to_byte_identical_shards(corpus, tmp_
     assert resumed.returncode == 0 and "resuming: " in resumed.stdout, resumed.stderr
     straight = {p.name: p.read_bytes() for p in (tmp_path / "straight").iterdir()}
     assert {p.name: p.read_bytes() for p in out.iterdir()} == straight  # no temporaries, no progress file
+    # a disk that fills midway: one line naming the folder (once a bare "[Errno 28] No space left on
+    # device"), and what was written goes on, once there is room, to the same bytes
+    with small_disk(tmp_path / "tiny", f"{sum(map(len, straight.values())) // 2048}k") as disk:
+        full = prepare("fineweb", *args, f"--out_dir={disk / 'out'}")
+        assert full.returncode == 2 and full.stderr == (f"error: [Errno 28] No space left on device for the dataset in "
+                                                        f"{disk / 'out'}: free space there, then prepare again\n")
+        shutil.copytree(disk / "out", tmp_path / "moved")
+    resumed = prepare("fineweb", *args, f"--out_dir={tmp_path / 'moved'}")
+    assert resumed.returncode == 0 and "resuming: " in resumed.stdout, resumed.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "moved").iterdir()} == straight
 
 
 @pytest.mark.slow
