@@ -216,6 +216,27 @@ def test_a_background_save_whose_folder_is_gone_still_ends_with_its_failure(tmp_
     assert background.failure(wait=True) == "FileNotFoundError: [Errno 2] No such file or directory"
 
 
+def test_a_background_save_that_fails_stops_the_run_at_the_next_log_step(char_data, tmp_path, monkeypatch):
+    """Not at the next save, eval_interval steps later: every step in between is work no checkpoint keeps."""
+    from concurrent.futures import Future
+
+    import torch.distributed.checkpoint as dcp
+    import train
+    from errors import CheckpointNotWritten
+
+    def failed(*args, **kwargs):
+        future = Future()
+        future.set_exception(OSError(28, "No space left on device"))
+        return future
+    monkeypatch.setattr(dcp, "async_save", failed)
+    steps, step = [], train.optimizer_step
+    monkeypatch.setattr(train, "optimizer_step", lambda run: steps.append(run.step) or step(run))
+    with pytest.raises(CheckpointNotWritten, match=r"at step 4 \(OSError: \[Errno 28\] No space left on device\); no "):
+        train_here(char_data, tmp_path / "out", checkpoint_format="sharded", async_checkpoint=True, log_interval=2,
+                   **SAME)
+    assert steps == [0, 1, 2, 3, 4, 5]  # saved at 4; step 6's agreement found the failure
+
+
 def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(char_data, sharded, tmp_path, script):
     """Killed while writing: .last.dcp.tmp is left and last.dcp untouched; killed between the
     commit's renames: no last.dcp, but previous.dcp, which resume=auto takes."""
