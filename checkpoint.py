@@ -29,6 +29,7 @@ from errors import ConfigError, OutDirBusy, OutDirUnwritable, UnreadableCheckpoi
 from model import GPT, GPTConfig
 
 FORMAT = 1
+WRITTEN = ("run.lock", "config.json", "meta.json", "metrics.jsonl", "last.pt", "previous.pt", "best.pt")  # files
 
 
 def save(state: dict, out_dir: Path, best: bool, rotate: bool = True):
@@ -60,12 +61,17 @@ def write(state: dict, path: Path, before_rename=None):
 def locked_out_dir(out_dir, world):
     """Rank 0's fcntl lock on out_dir/run.lock for the whole run (the OS drops it however the process
     ends; the file names its holder), taken before the group forms, with a check that out_dir is
-    writable now. Yields the problem found (or None): train.py raises it on every rank."""
+    writable now and that no folder, pipe or device holds a name the run writes a file at (WRITTEN).
+    Yields the problem found (or None): train.py raises it on every rank."""
     fd, error, out_dir = None, None, Path(out_dir)
     created = world.is_master and not out_dir.exists()
     if world.is_master:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
+            for path in map(out_dir.joinpath, WRITTEN):  # (run.lock is written in place: not through a link)
+                if path.exists() and not path.is_file() or path.name == "run.lock" and path.is_symlink():
+                    raise ConfigError(f"{path} is {'a link' if path.is_symlink() else 'not a file'}, but the run "
+                                      f"writes a file of its own there: move it away or choose another --out_dir")
             fd = os.open(out_dir / "run.lock", os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -81,12 +87,14 @@ def locked_out_dir(out_dir, world):
                     pass
         except OSError as e:
             error = str(OutDirUnwritable(out_dir, e))
+        except ConfigError as e:
+            error = str(e)
     try:
         if error and world.size == 1:
             raise ConfigError(error)  # alone: say it at once
         yield error
     except BaseException:  # a run that failed before writing anything leaves no folder behind
-        if created and fd is not None and [p.name for p in out_dir.iterdir()] == ["run.lock"]:
+        if created and fd is not None and out_dir.is_dir() and [p.name for p in out_dir.iterdir()] == ["run.lock"]:
             (out_dir / "run.lock").unlink()
             out_dir.rmdir()
         raise

@@ -20,7 +20,7 @@ import torch
 
 import parallel
 from collectives import agree_or_raise, any_rank, broadcast_json, first_error
-from data.files import atomic_write_bytes, disk_full, fsync_dir, link_or_copy, tensor_bytes
+from data.files import atomic_write_bytes, disk_full, fsync_dir, link_or_copy, remove, tensor_bytes
 from errors import UnreadableCheckpoint, first_line, load_failure
 
 
@@ -157,11 +157,11 @@ def json_groups(groups: list) -> list:
 def _replace_dir(src: Path, dst: Path):
     """Move folder src to dst, replacing it: renames (atomic each), the old dst deleted last."""
     trash = dst.with_name(f".{dst.name}.old.tmp")
-    shutil.rmtree(trash, ignore_errors=True)
-    if dst.exists():
+    remove(trash)
+    if os.path.lexists(dst):  # whatever it is: a damaged folder, a file, a pipe, a link to nothing
         os.replace(dst, trash)
     os.replace(src, dst)
-    shutil.rmtree(trash, ignore_errors=True)
+    remove(trash)
 
 
 def _commit(out_dir: Path, best: bool, rotate: bool):
@@ -172,7 +172,7 @@ def _commit(out_dir: Path, best: bool, rotate: bool):
     last = out_dir / "last.dcp"
     if best:
         tmp = out_dir / ".best.dcp.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove(tmp)
         shutil.copytree(out_dir / TMP, tmp, copy_function=lambda s, d: link_or_copy(Path(s), Path(d)))
         _replace_dir(tmp, out_dir / "best.dcp")
     if last.exists() and rotate:
@@ -219,7 +219,7 @@ def save_run(raw_model, optimizer, run_state: dict, out_dir: Path, best: bool, w
     tmp, failure = out_dir / TMP, None
     if world.is_master:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove(tmp)
             tmp.mkdir()
             atomic_write_bytes(tmp / "run.json", json.dumps(run_state).encode())
         except OSError as e:

@@ -170,8 +170,17 @@ def remove_stale_temporaries(folder: Path) -> list:
     ours = re.compile(r"\..+\.([0-9a-f]{12}|\d+|old)\.tmp|\.(last|best)\.dcp\.tmp")
     stale = sorted(p for p in Path(folder).glob(".*.tmp") if ours.fullmatch(p.name))
     for path in stale:
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        remove(path)
     return stale
+
+
+def remove(path: Path):
+    """Delete what is at `path`, if anything: a folder with all in it, or a file, pipe or link (never
+    opened or followed: rmtree would wait on a pipe for ever, and skip a file without a word)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def pip_download(args: list, dest) -> Path:

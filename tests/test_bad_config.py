@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -467,6 +468,33 @@ def test_an_out_dir_in_use_or_that_cannot_be_written_is_one_line(char_data, tmp_
     assert proc.stderr.count("\n") == 1 and taken.read_text() == "not a folder"
 
 
+@pytest.mark.parametrize("name, thing", [("last.pt", "a folder"), ("previous.pt", "a folder"), ("best.pt", "a folder"),
+                                         ("config.json", "a folder"), ("metrics.jsonl", "a pipe"), ("run.lock", "a link")])
+def test_a_file_of_the_run_held_by_something_else_is_refused_before_training(trained_copy, char_data, tmp_path, script,
+                                                                             name, thing):
+    """Each save once failed with exit 1 and "free disk space" (a folder), on every relaunch; metrics.jsonl
+    too (a pipe there once hung the start); a link run.lock had its target overwritten, outside out_dir."""
+    out, notes = trained_copy, tmp_path / "notes.txt"
+    notes.write_text("a user's file")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != name}
+    (out / name).unlink(missing_ok=True)
+    {"a folder": Path.mkdir, "a pipe": os.mkfifo, "a link": lambda p: p.symlink_to(notes)}[thing](out / name)
+    proc = script("train.py", *tiny_args(char_data, out, max_iters=15, eval_interval=5))
+    assert proc.returncode == 2 and proc.stderr == (
+        f"error: {out / name} is {'a link' if thing == 'a link' else 'not a file'}, but the run writes a file of "
+        f"its own there: move it away or choose another --out_dir\n"), proc.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != name} == before
+    assert notes.read_text() == "a user's file"
+
+
+def test_a_new_out_dir_deleted_under_a_failing_run_leaves_its_own_error(tmp_path):
+    """The clean-up of a folder the run made listed it: a FileNotFoundError traceback after the run's error."""
+    with pytest.raises(RuntimeError, match="the run's own failure"):
+        with checkpoint.locked_out_dir(tmp_path / "out", world.World()):
+            shutil.rmtree(tmp_path / "out")
+            raise RuntimeError("the run's own failure")
+
+
 def test_wandb_that_cannot_start_is_one_line(char_data, tmp_path, script, monkeypatch):
     wandb = pytest.importorskip("wandb", reason="wandb is in requirements.txt, but not on every machine")
 
@@ -481,14 +509,6 @@ def test_wandb_that_cannot_start_is_one_line(char_data, tmp_path, script, monkey
         "error: wandb could not start (UsageError: No API key configured. Use `wandb login` to log to W&B.): "
         "run `wandb login`, or set WANDB_MODE=offline, or use --wandb_log=false\n"), proc.stderr
     assert old_log.read_text() == '{"step": 1, "loss": 3.0}\n'
-
-
-def test_a_metrics_jsonl_that_is_not_a_file_is_one_line(char_data, tmp_path, script):
-    (tmp_path / "out" / "metrics.jsonl").mkdir(parents=True)  # (a FIFO there hung the start)
-    proc = script("train.py", *tiny_args(char_data, tmp_path / "out", max_iters=2))
-    assert proc.returncode == 1 and proc.stderr.startswith(f"error: rank 0 could not write {tmp_path}/out/metrics"
-                                                           f".jsonl (it is not a file)"), proc.stderr
-    assert proc.stderr.count("\n") == 1
 
 
 def test_a_log_history_that_cannot_be_read_is_one_line(char_data, tmp_path, script, monkeypatch):
