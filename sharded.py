@@ -88,6 +88,8 @@ def parts(path: Path):
     into, at least as long as the data it expects there."""
     def unreadable(reason):
         return UnreadableCheckpoint(f"cannot read checkpoint {path}: {reason}")
+    if not path.is_dir():  # a file or a pipe where the folder goes
+        raise unreadable("it is not a folder")
     for name in ("run.json", ".metadata"):
         if not (path / name).is_file():
             raise unreadable(f"{name} is missing; the save that wrote it did not finish")

@@ -152,15 +152,17 @@ def test_a_bad_sharded_checkpoint_is_one_line_and_auto_falls_back_to_previous(
 
 
 @pytest.mark.parametrize("thing", ["a pipe", "a file", "a link to nothing"])
-def test_a_last_dcp_that_is_no_folder_is_replaced_at_the_first_save(char_data, sharded, tmp_path, thing):
+def test_a_last_dcp_that_is_no_folder_is_replaced_at_the_first_save(char_data, sharded, tmp_path, capsys, thing):
     """A pipe made the save wait for ever (rmtree opened it), deaf to SIGTERM; a file was left behind as
-    .last.dcp.old.tmp; a link to nothing failed every save ("Not a directory")."""
+    .last.dcp.old.tmp (and said to lack run.json); a link to nothing failed every save ("Not a directory")."""
     out = Path(shutil.copytree(sharded, tmp_path / "out"))
     shutil.rmtree(out / "last.dcp")
     {"a pipe": os.mkfifo, "a file": lambda p: p.write_text("x"),
      "a link to nothing": lambda p: p.symlink_to("nowhere")}[thing](out / "last.dcp")
     train_here(char_data, out, resume="auto", checkpoint_format="sharded", **{**SAME, "max_iters": 16})
     assert [ckpt(out, f"{k}.dcp")["step"] for k in ("previous", "last")] == [12, 16] and no_temporaries(out)
+    if thing != "a link to nothing":  # (which is no checkpoint at all)
+        assert f"cannot read checkpoint {out / 'last.dcp'}: it is not a folder\n" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("edit, message", [
