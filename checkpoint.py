@@ -93,9 +93,11 @@ def locked_out_dir(out_dir, world):
         if error and world.size == 1:
             raise ConfigError(error)  # alone: say it at once
         yield error
-    except BaseException:  # a run that failed before writing anything leaves no folder behind
-        if created and fd is not None and out_dir.is_dir() and [p.name for p in out_dir.iterdir()] == ["run.lock"]:
-            (out_dir / "run.lock").unlink()
+    except BaseException:  # a run that failed before writing anything leaves no folder behind (if still its own)
+        lock = out_dir / "run.lock"
+        if created and fd is not None and lock.exists() and os.path.samestat(os.fstat(fd), lock.stat()) \
+                and [p.name for p in out_dir.iterdir()] == ["run.lock"]:
+            lock.unlink()
             out_dir.rmdir()
         raise
     finally:

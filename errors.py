@@ -181,9 +181,7 @@ class CheckpointNotWritten(RunError):
 
 class LogNotWritten(RunError):
     def __init__(self, failure: str, saved):
-        super().__init__(
-            f"rank 0 {failure}; {_kept(saved)}: free disk space, then relaunch with "
-            f"resume=auto (a line cut short is dropped).")
+        super().__init__(f"rank 0 {failure}; {_kept(saved)}.")
 
 
 class UnreadableCheckpoint(ConfigError):

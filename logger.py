@@ -4,6 +4,8 @@ Every other rank holds a Logger too, one that says nothing, so the loop has no r
 """
 
 import json
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -52,7 +54,7 @@ class Logger:
                 self.start_failure = (f"wandb could not start ({type(e).__name__}: {first_line(e)}): run `wandb "
                                       f"login`, or set WANDB_MODE=offline, or use --wandb_log=false")
                 return  # a run refused leaves out_dir's log as it was
-        self.metrics = Path(cfg.out_dir) / "metrics.jsonl"
+        self.metrics, self.lock = Path(cfg.out_dir) / "metrics.jsonl", Path(cfg.out_dir) / "run.lock"
         # a fresh run starts a new log; a resumed one keeps the history its checkpoint holds (written
         # before any later run, killed or not, rewrote the file), or in older files the log beside it
         # (here or in the folder it came from) up to its step, dropping the steps it runs again
@@ -123,7 +125,7 @@ class Logger:
     def _write(self, path: Path, text: str, append: bool = False):
         """Write (atomically) or append; a failure (a full disk) is kept in self.failure, which
         train.py agrees on with the other ranks and ends the run with. Nothing is written after it."""
-        if self.failure is not None:
+        if self.failure is not None or self._lost():
             return
         try:
             if append:
@@ -132,11 +134,27 @@ class Logger:
             else:
                 atomic_write_bytes(path, text.encode())
         except OSError as e:
-            self.failure = f"could not write {path} ({e.strerror or e})"
+            self.failure = (f"could not write {path} ({e.strerror or e}): free disk space, then relaunch with "
+                            f"resume=auto (a line cut short is dropped)")
+
+    def _lost(self) -> bool:
+        """Whether out_dir's run.lock no longer names this process (checkpoint.locked_out_dir wrote it): the
+        folder was deleted, moved or replaced under the run, and another run may write there now."""
+        try:
+            holder = parse_json(self.lock.read_text()) if self.lock.is_file() else {}  # (a pipe would hang)
+            if (holder.get("host"), holder.get("pid")) == (socket.gethostname(), os.getpid()):
+                return False
+        except (OSError, ValueError, AttributeError):
+            pass
+        self.failure = (f"stopped writing: {self.lock} is no longer this run's lock ({self.lock.parent} was deleted, "
+                        f"moved or replaced while the run wrote into it, and another run may use it now): relaunch "
+                        f"with an out_dir of its own")
+        return True
 
     def check(self, world, saved):
-        """Every rank: all stop, with one message, when rank 0 could not write its log files."""
-        if any_rank(self.failure is not None, world):
+        """Every rank: all stop, with one message, when rank 0 could not write its log files or lost
+        out_dir (checked here too: a save follows)."""
+        if any_rank(self.failure is not None or self.enabled and self._lost(), world):
             raise LogNotWritten(first_error(self.failure, world), saved)
 
     def say(self, text: str):

@@ -129,6 +129,30 @@ def test_a_log_line_that_could_not_be_written_stops_the_run_before_a_checkpoint_
     assert not (tmp_path / "out" / "last.pt").exists() and len(calls) == steps_run
 
 
+@pytest.mark.parametrize("signal_at_step", [None, 2])  # lost before a log row; before a stop's save
+def test_a_run_whose_out_dir_was_replaced_under_it_writes_nothing_more_there(char_data, tmp_path, monkeypatch,
+                                                                              signal_at_step):
+    """out_dir deleted (or moved) while the run trains, and another run now in a new one: the first run used to
+    go on appending its rows to the other's metrics.jsonl and overwriting its last.pt. It stops instead, and
+    its clean-up leaves the other run's folder alone."""
+    out, step, other = tmp_path / "out", train.optimizer_step, '{"host": "elsewhere", "pid": 1, "started": "now"}'
+
+    def replaced_at_step_2(run):
+        if run.step == 2:
+            shutil.rmtree(out)
+            out.mkdir()
+            (out / "run.lock").write_text(other)
+            if signal_at_step:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return step(run)
+    monkeypatch.setattr(train, "optimizer_step", replaced_at_step_2)
+    interval = 100 if signal_at_step else 1
+    with pytest.raises(LogNotWritten, match=rf"rank 0 stopped writing: {re.escape(str(out / 'run.lock'))} is no "
+                                            rf"longer this run's lock \({re.escape(str(out))} was deleted, moved"):
+        train.main(resolve(tiny_args(char_data, out, max_iters=8, eval_interval=4, log_interval=interval)))
+    assert [p.name for p in out.iterdir()] == ["run.lock"] and (out / "run.lock").read_text() == other
+
+
 @pytest.mark.slow
 def test_a_full_disk_ends_the_run_with_no_space_left_and_earlier_checkpoints_usable(char_data, tmp_path, capsys):
     with small_disk(tmp_path / "tiny", "64k") as disk:  # too small for the first checkpoint
