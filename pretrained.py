@@ -14,6 +14,8 @@ hosts need no copy.
 
 import functools
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -21,8 +23,8 @@ import torch.nn.functional as F
 
 import checkpoint
 from config import GPT2_NAMES
-from data.dataset import GPT2_EOT, GPT2_VOCAB_SIZE
-from data.files import read_json
+from data.dataset import GPT2_EOT, GPT2_VOCAB_SIZE, load_meta
+from data.files import atomic_write_bytes, fsync_dir, read_json
 from errors import ConfigError, UnreadableCheckpoint, first_line, load_failure
 from model import GPT, GPTConfig
 
@@ -82,8 +84,7 @@ def gpt2_from_hf(hf_state, model, positions: int = None):
 def gpt2_to_hf(model):
     """A Hugging Face GPT-2 state dict of `model` (lm_head left out: transformers ties it to
     wte). GPT-2 always has biases; a model without them gets zeros, which compute the same."""
-    cfg = model.config
-    state = {}
+    cfg, state = model.config, {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":
             continue
@@ -288,7 +289,6 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
                                        f"({type(e).__name__}: {first_line(e)})") from None
 
     model, step, path, vocab = checkpoint.read_first(paths, build)
-    from data.dataset import load_meta
     meta_path = out_dir / "meta.json"
     if not meta_path.is_file():
         raise ConfigError(f"{meta_path} is missing: train.py writes it beside the checkpoint; copy "
@@ -324,10 +324,6 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
     """Write `model` as a Hugging Face GPT-2 folder: config.json, model.safetensors and, for a
     model of GPT-2's BPE, the tokenizer files. They are made in a temporary folder inside it, then
     moved in: a failure (a full disk, a damaged vocabulary file) leaves what was there as it was."""
-    import os
-    import tempfile
-
-    from data.files import atomic_write_bytes, fsync_dir
     from data.tokenizers import write_gpt2_tokenizer_files
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

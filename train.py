@@ -157,10 +157,6 @@ class Run:
         self.hellaswag_step = ckpt.get("hellaswag_step", self.step)  # older files: as if evaluated there
         self.history = ckpt.get("log")  # (older files hold none: the log beside them is read)
 
-    def hellaswag_due(self, at_end: bool) -> bool:
-        every = self.cfg.hellaswag_interval
-        return every > 0 and (self.step % every == 0 or at_end) and self.step > self.hellaswag_step
-
     def save(self, best: bool, log: Logger):
         log.check(self.world, self.saved)  # no checkpoint past a log line that was lost (a resume would skip it)
         if not parallel.all_finite(self.raw_model, self.world):  # the same answer on every rank
@@ -278,7 +274,8 @@ def train(cfg: Config, world: World, dataset: Dataset) -> dict:
             for group in run.optimizer.param_groups:
                 group["lr"] = lr
             at_end = run.step >= cfg.max_iters
-            if run.hellaswag_due(at_end):  # before eval_and_save, so a checkpoint there records it
+            every = cfg.hellaswag_interval  # HellaSwag before eval_and_save, so a checkpoint there records it
+            if every and (run.step % every == 0 or at_end) and run.step > run.hellaswag_step:
                 # (the unwrapped model: an eval forward needs no DDP; under FSDP it is the sharded module)
                 score, _ = hellaswag.evaluate(run.raw_model, run.hellaswag, world, run.autocast, cfg.batch_size,
                                               parallel.is_fsdp(run.raw_model))

@@ -12,8 +12,6 @@ Interruption: a shard is written under a temporary name and renamed when complet
 stream. A rerun with the same options continues from there and writes byte-identical shards; meta.json last.
 """
 
-from __future__ import annotations
-
 import argparse
 import glob
 import json
@@ -178,14 +176,10 @@ class ShardStream:
         state = state or {"shards": [], "resume": [0, 0]}
         self.shards = state["shards"]           # written: [{"file", "split", "tokens", "sha256"}]
         self.resume = tuple(state["resume"])     # (document, token offset) where the next shard starts
-        self.buffer = np.empty(shard_tokens, dtype=np.uint16)
-        self.filled = 0
+        self.buffer, self.filled = np.empty(shard_tokens, dtype=np.uint16), 0
 
     def state(self) -> dict:
         return {"shards": self.shards, "resume": list(self.resume)}
-
-    def wants(self, doc: int) -> bool:
-        return doc >= self.resume[0]
 
     def add(self, doc: int, tokens: np.ndarray, on_shard):
         """Append a document's tokens (those not yet in a written shard); write full shards."""
@@ -275,8 +269,9 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
                     continue
                 n = 0
                 for n, text in enumerate(read_documents(source.fetch(i)), 1):
-                    if streams[route(first + n - 1)].wants(first + n - 1):
-                        yield first + n - 1, text
+                    doc = first + n - 1
+                    if doc >= streams[route(doc)].resume[0]:  # not in a written shard yet
+                        yield doc, text
                 source.release(i)
                 counts[i:i + 1] = [n]  # known before, or the next file read
                 first += n
