@@ -254,6 +254,9 @@ def test_training_evaluates_on_schedule_and_a_resume_neither_repeats_nor_skips(
     assert evals == [(r["step"], r["val_loss"]) for r in metrics(straight) if "val_loss" in r]
     assert torch.load(legs / "best.pt", weights_only=True)["step"] == \
         torch.load(straight / "best.pt", weights_only=True)["step"]
+    # a last step off the interval is scored too
+    train.main(resolve(bpe_args(bpe_data, small_file, legs, resume="auto", max_iters=9)))
+    assert [r["step"] for r in hellaswag_rows(legs)] == [0, 2, 4, 6, 8, 9]
 
 
 def test_eval_py_scores_a_checkpoint_with_its_dataset_loss(straight, bpe_data, small_file, capsys):

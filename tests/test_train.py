@@ -53,13 +53,61 @@ def test_each_rank_draws_its_own_dropout_masks_at_each_step():
 
 
 def test_a_resume_from_another_folder_keeps_that_runs_log(char_data, tmp_path):
-    """--resume=A/last.pt into an out_dir holding another run's log: the log is A's history, not a splice."""
+    """--resume=A/last.pt into an out_dir holding another run's log: the log is A's history, not a splice;
+    and the last.pt that the first save replaces stays as previous.pt, as any save's does."""
     a, b = tmp_path / "a", tmp_path / "b"
     train_here(char_data, b, max_iters=4, eval_interval=2, seed=7)  # b's own run, another seed
     train_here(char_data, a, max_iters=2, eval_interval=2)
     train_here(char_data, b, max_iters=4, eval_interval=2, resume=str(a / "last.pt"))
     assert [r for r in metrics(b) if r["step"] <= 2] == metrics(a)
     assert [r["step"] for r in metrics(b) if "val_loss" in r] == [0, 2, 4]
+    previous = ckpt(b, "previous.pt")
+    assert (previous["step"], previous["config"]["seed"]) == (4, 7)
+
+
+def test_the_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr():
+    from config import resolve
+    from train import get_lr
+    cfg = resolve(["--learning_rate=1.0", "--warmup_iters=4", "--max_iters=14", "--min_lr=0.2"])
+    assert [get_lr(step, cfg) for step in range(4)] == pytest.approx([0.2, 0.4, 0.6, 0.8])  # never 0
+    assert [get_lr(step, cfg) for step in (4, 9, 14, 20)] == pytest.approx([1.0, 0.6, 0.2, 0.2])
+    assert get_lr(1500, resolve(["--learning_rate=1.0"])) == pytest.approx(0.1)  # min_lr None: a tenth
+    assert get_lr(20, resolve(["--learning_rate=1.0", "--decay_lr=false"])) == 1.0
+
+
+def test_a_step_seeds_dropout_from_the_seed_this_rank_and_this_step(monkeypatch):
+    import train
+    from types import SimpleNamespace as Namespace
+    seeds = []
+    monkeypatch.setattr(train, "accumulate_gradients", lambda *args: seeds.append(torch.initial_seed()) or 0.0)
+    weight = torch.nn.Parameter(torch.zeros(1))
+    run = Namespace(cfg=Namespace(dropout=0.1, seed=5, grad_clip=0), world=Namespace(rank=3, accum=1), step=11,
+                    model=None, raw_model=None, loader=None, autocast=None, optimizer=torch.optim.SGD([weight]),
+                    scaler=torch.amp.GradScaler("cpu", enabled=False))
+    train.optimizer_step(run)
+    assert seeds == [train.dropout_seed(5, 3, 11)]
+
+
+@pytest.mark.parametrize("stop_at", [None, 8])
+def test_without_always_save_an_eval_saves_when_it_improves_at_the_end_and_at_a_stop(
+        char_data, tmp_path, monkeypatch, stop_at):
+    """always_save_checkpoint=False (configs/shakespeare_char.py): validation losses 5, 1, 3, 4 at steps
+    0, 4, 8, 10. Step 4 improves (last and best); 8 does not (not saved), unless a stop ends the run
+    there; the last step is always saved. best.pt stays step 4's."""
+    import os
+    import signal
+    import train
+    losses, step = iter([5.0, 5.0, 1.0, 1.0, 3.0, 3.0, 4.0, 4.0]), train.optimizer_step  # (train, val) per eval
+    monkeypatch.setattr(train, "val_loss", lambda *args: next(losses))
+
+    def stopped_during_step_8(run):
+        if run.step == (stop_at or 0) - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(run)
+    monkeypatch.setattr(train, "optimizer_step", stopped_during_step_8)
+    result = train_here(char_data, tmp_path, max_iters=10, eval_interval=4, always_save_checkpoint=False)
+    assert (result["step"], result["stopped"]) == ((8, signal.SIGTERM) if stop_at else (10, 0))
+    assert (ckpt(tmp_path)["step"], ckpt(tmp_path, "best.pt")["step"]) == (stop_at or 10, 4)
 
 
 def test_the_gradient_norm_is_within_float32_rounding():
