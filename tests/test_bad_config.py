@@ -185,8 +185,8 @@ CASES = [
     ("no CUDA", ["--device=cuda"], lambda d, m: m.setattr(torch.cuda, "is_available", lambda: False),
      r"device=cuda but CUDA is not available here: use --device=cpu"),
     ("unknown device", ["--device=tpu"], None, r"device 'tpu' is not one this trainer runs on"),
-    ("GPU index past this host's", ["--device=cuda:9"], two_gpus,
-     r"device cuda:9 does not exist here: this host has 2 GPUs; run at most 2 processes on it"),
+    ("GPU index past this host's", ["--device=cuda:2"], two_gpus,  # (cuda:0 and cuda:1 exist)
+     r"device cuda:2 does not exist here: this host has 2 GPUs; run at most 2 processes on it"),
     ("unknown backend", ["--backend=tcp"], None, r"backend must be one of .*got 'tcp'"),
     ("backend missing from this build", ["--backend=mpi"], None,
      r"backend 'mpi' is not available in this torch build: use gloo"),
@@ -556,9 +556,14 @@ def test_a_master_address_or_port_that_cannot_be_is_a_clear_error(char_data, tmp
     ("0", "\u00b9", "rank variables must be whole numbers, got {'WORLD_SIZE': '\u00b9'}"),  # isdigit, not int
     ("0", "0", "rank 0 (local rank 0) cannot be in a world of 0 processes (0 on this host)"),
     ("2", "2", "rank 2 (local rank 0) cannot be in a world of 2 processes (2 on this host)"),  # would wait
+    ("1 2", "4", "rank 1 (local rank 2) cannot be in a world of 4 processes (2 on this host)"),  # LOCAL_RANK 2 of 2
 ])
 def test_rank_variables_that_cannot_be_are_a_clear_error(char_data, tmp_path, monkeypatch, capsys, rank, size,
                                                          message):
+    rank, *local = rank.split(" ")
+    if local:
+        monkeypatch.setenv("LOCAL_RANK", local[0])
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("WORLD_SIZE", size)
     code, err = run_cli(tiny_args(char_data, tmp_path / "out"), monkeypatch, capsys)

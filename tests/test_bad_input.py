@@ -149,10 +149,12 @@ def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_prev
     ("random bytes", "cannot read checkpoint"),
     ("other shape", "holds another model shape"),
     ("other seed", "was trained with seed=1337; resuming with 7 would change the data order"),
+    ("other global batch", "was trained with global_batch_size=8; resuming with 16 would change the data order"),
     (lambda ck: ck.pop("loader"), "lacks ['loader']: it was not written by this train.py"),
     ("unknown format", "checkpoint format 99 is not 1"),
     # hand edits, each once a traceback from Run.load_state_dict: one line, on every rank
     ({"step": "10"}, "step '10' or world_size 1 is not a whole number"),
+    ({"step": -1}, "step -1 or world_size 1 is not a whole number"),  # a negative learning rate once
     ({"loader": {"epoch": 0}}, "loader {'epoch': 0} is not an epoch (-1 before the first) and a position"),
     ({"loader": {"epoch": 0, "position": 3}}, "a position that is a multiple of global_batch_size"),
     ({"loader": {"epoch": -5, "position": 0}}, "is not an epoch (-1 before the first)"),  # once numpy's error
@@ -177,9 +179,10 @@ def test_bad_checkpoints_are_clear_errors_naming_the_file(trained_copy, tmp_path
         path.write_bytes(os.urandom(4096))
     elif problem == "fifo":
         os.mkfifo(path)
-    elif problem in ("other shape", "other seed"):
+    elif isinstance(problem, str) and problem.startswith("other "):
         shutil.copy(out / "last.pt", path)
-        overrides = {"n_embd": 64} if problem == "other shape" else {"seed": 7}
+        overrides = {"other shape": {"n_embd": 64}, "other seed": {"seed": 7},
+                     "other global batch": {"global_batch_size": 16}}[problem]
     elif problem != "missing":
         ckpt = torch.load(out / "last.pt", weights_only=True)
         if callable(problem):

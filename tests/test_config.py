@@ -31,6 +31,8 @@ def test_unknown_name_suggests_the_closest_valid_name(tmp_path):
 @pytest.mark.parametrize("arg, expected", [
     ("--n_layer=4.5", "'n_layer' must be int"),
     ("--n_layer=true", "'n_layer' must be int"),
+    ("--n_layer=True", "'n_layer' must be int"),  # Python's True, an int subclass: refused all the same
+    ("--learning_rate=False", "'learning_rate' must be float"),
     ("--compile=2", "'compile' must be bool"),
     ("--learning_rate=fast", "'learning_rate' must be float"),
     ("--lr_decay_iters=1.5", "'lr_decay_iters' must be int or None"),
@@ -60,9 +62,12 @@ LONG = "a" * 300  # a file name past 255 bytes
     ("--dropout=1.0", "dropout must be in"),
     ("--learning_rate=0", "learning_rate must be a positive number"),
     ("--min_lr=1", "min_lr must be in"),
+    ("--min_lr=-0.1", "min_lr must be in"),
     ("--lr_decay_iters=0", "lr_decay_iters must be None or at least warmup_iters (100) and 1, got 0"),
     ("--lr_decay_iters=50", "at least warmup_iters (100)"),  # else warmup, then min_lr at once: no cosine
     ("--beta2=1.0", "beta1 and beta2 must be in"),
+    ("--beta1=1.0", "beta1 and beta2 must be in"),
+    ("--beta1=-0.1", "beta1 and beta2 must be in"),
     ("--dist_timeout=0", "dist_timeout must be positive seconds"),
     ("--fsdp_shard_size=-1", "fsdp_shard_size must be >= 0"),
     ("--fsdp_shard_size=2", "it needs --strategy=fsdp"),

@@ -121,3 +121,15 @@ def test_eval_windows_are_fixed_and_spread(tmp_path):
     assert np.array_equal(a, eval_starts(tokens(10_000), 16, 50))
     assert len(a) == 50 and a[0] == 0 and a[-1] + 17 <= 10_000
     assert len(eval_starts(tokens(100), 16, 50)) == 6  # clamped to the windows that exist
+
+
+@pytest.mark.parametrize("bad", [65, 999])  # the first id past a vocabulary of 65, and one far past it
+def test_an_id_past_the_vocabulary_is_named_and_read_as_zero(tmp_path, bad):
+    path = tmp_path / "train.bin"
+    ids = np.arange(100, dtype=np.uint16) % 65
+    ids[42] = bad
+    ids.tofile(path)
+    tokens = Tokens.file(path, "uint16")
+    tokens.vocab_size = 65
+    assert tokens.windows(np.array([0, 40]), 8)[1].tolist() == [40, 41, 0, 43, 44, 45, 46, 47]
+    assert tokens.bad.startswith(f"{path} holds token id {bad} at token position 42,")
