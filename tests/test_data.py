@@ -240,6 +240,15 @@ def test_a_preparation_removes_only_the_temporaries_a_killed_one_left(tmp_path, 
     assert {p.name for p in tmp_path.iterdir()} == mine and (tmp_path / ".notes.tmp" / "keep.txt").is_file()
 
 
+def test_an_atomic_write_makes_the_file_and_then_its_rename_durable(tmp_path, monkeypatch):
+    import stat
+    from data.files import atomic_write_bytes
+    synced, fsync = [], os.fsync  # is each fsync'd descriptor a folder?
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)) or fsync(fd))
+    atomic_write_bytes(tmp_path / "config.json", b"{}")
+    assert synced == [False, True] and (tmp_path / "config.json").read_bytes() == b"{}"
+
+
 def test_interrupted_write_in_a_fresh_folder_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", fail_on_call(2, os.fsync))  # while writing val.bin
     with pytest.raises(OSError, match="simulated"):

@@ -128,6 +128,20 @@ def _allreduce(bucket):
     return allreduce_hook(None, bucket)
 
 
+def _first_error(rank: int, world_size: int, out):
+    from collectives import first_error, process_group
+    from world import place
+    world = place("cpu", "float32", "gloo")
+    with process_group(world, 60):
+        (out / f"rank{rank}.txt").write_text(first_error(None if rank == 0 else f"rank {rank}'s problem", world))
+
+
+@pytest.mark.slow
+def test_every_rank_reports_the_lowest_failing_ranks_message(tmp_path):
+    run_ranks(_first_error, 3, tmp_path)
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(3)] == ["rank 1's problem"] * 3
+
+
 @pytest.mark.slow
 def test_ddp_gradients_equal_single_process_gradients_of_the_global_batch(char_data, tmp_path):
     run_ranks(_accumulate, 1, str(char_data), tmp_path / "w1.pt", "train.py")

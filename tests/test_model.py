@@ -67,6 +67,17 @@ def test_forward_without_targets_returns_last_position_logits():
     torch.testing.assert_close(last_logits, full_logits[:, [-1], :])
 
 
+def test_a_position_sees_only_the_tokens_before_it():
+    model = small_model()
+    idx = random_tokens(1, 12, 97)
+    changed = idx.clone()
+    changed[0, 8] = (idx[0, 8] + 1) % 97
+    before, _ = model(idx, torch.zeros_like(idx))
+    after, _ = model(changed, torch.zeros_like(idx))
+    torch.testing.assert_close(before[:, :8], after[:, :8], rtol=0, atol=0)
+    assert before[:, 8:].ne(after[:, 8:]).any(dim=-1).all()  # from position 8 on, each position's logits change
+
+
 def test_loss_ignores_targets_of_minus_one():
     model = small_model()
     idx = random_tokens(2, 10, 97)

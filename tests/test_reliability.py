@@ -97,6 +97,8 @@ def test_a_log_or_checkpoint_cut_at_any_byte_never_blocks_a_resume(char_data, tm
         f.write('{"step": null}\n{"step": "x"}\n[]\n')
     code, printed, err = train_cli(capsys, char_data, out, max_iters=12, eval_interval=5)
     assert code == 0 and "warning: dropped 3 unreadable lines" in printed, err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in rows if r["step"] <= 10] == [json.loads(line) for line in logged.splitlines()]  # step 10's too
 
 
 @pytest.mark.parametrize("lost, steps_run", [('"step": 4, "train_eval_loss"', 4),  # the save at 4 stops it

@@ -127,6 +127,16 @@ def test_the_gradient_norm_is_within_float32_rounding():
     assert parallel.clip_grad_norm(model, max_norm=0.01).item() == 0
 
 
+def test_weights_holding_a_nan_are_found_before_a_save():
+    import parallel
+    from world import World
+    model = torch.nn.Linear(2, 2)
+    assert parallel.all_finite(model, World())
+    with torch.no_grad():
+        model.weight[0, 1] = float("nan")
+    assert not parallel.all_finite(model, World())
+
+
 def test_resume_auto_starts_fresh_then_resumes_with_this_runs_adamw_settings(char_data, tmp_path):
     result = train_here(char_data, tmp_path, max_iters=2, resume="auto")  # nothing to resume yet
     assert result["step"] == 2
