@@ -11,10 +11,8 @@ import errno
 import fcntl
 import json
 import os
-import socket
 import sys
 import tempfile
-import time
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +22,8 @@ import torch
 from config import Config
 import sharded
 from collectives import on_rank0
-from data.files import atomic_write, disk_full, link_or_copy, read_json, remove_stale_temporaries, tensor_bytes
+from data.files import (atomic_write, disk_full, link_or_copy, lock_note, read_json, remove_stale_temporaries,
+                        tensor_bytes)
 from errors import ConfigError, OutDirBusy, OutDirUnwritable, UnreadableCheckpoint, load_failure
 from model import GPT, GPTConfig
 
@@ -79,8 +78,7 @@ def locked_out_dir(out_dir, world):
                 error = str(OutDirBusy(out_dir, os.read(fd, 4096).decode(errors="replace")))
             else:
                 os.ftruncate(fd, 0)
-                os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode())
+                os.write(fd, lock_note())
                 for path in remove_stale_temporaries(out_dir):
                     print(f"removed {path}, left by a run that was killed while writing", flush=True)
                 with tempfile.TemporaryFile(dir=out_dir):

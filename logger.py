@@ -4,14 +4,12 @@ Every other rank holds a Logger too, one that says nothing, so the loop has no r
 """
 
 import json
-import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 from collectives import agree_or_raise, any_rank, first_error
-from data.files import atomic_write_bytes, parse_json
+from data.files import atomic_write_bytes, holds_lock, parse_json
 from errors import LogNotWritten, first_line
 
 
@@ -138,14 +136,10 @@ class Logger:
                             f"resume=auto (a line cut short is dropped)")
 
     def _lost(self) -> bool:
-        """Whether out_dir's run.lock no longer names this process (checkpoint.locked_out_dir wrote it): the
-        folder was deleted, moved or replaced under the run, and another run may write there now."""
-        try:
-            holder = parse_json(self.lock.read_text()) if self.lock.is_file() else {}  # (a pipe would hang)
-            if (holder.get("host"), holder.get("pid")) == (socket.gethostname(), os.getpid()):
-                return False
-        except (OSError, ValueError, AttributeError):
-            pass
+        """Whether out_dir's run.lock no longer names this process: the folder was deleted, moved or
+        replaced under the run, and another run may write there now (kept in self.failure)."""
+        if holds_lock(self.lock):
+            return False
         self.failure = (f"stopped writing: {self.lock} is no longer this run's lock ({self.lock.parent} was deleted, "
                         f"moved or replaced while the run wrote into it, and another run may use it now): relaunch "
                         f"with an out_dir of its own")

@@ -8,8 +8,10 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -172,6 +174,22 @@ def remove_stale_temporaries(folder: Path) -> list:
     for path in stale:
         remove(path)
     return stale
+
+
+def lock_note() -> bytes:
+    """What a run writes into the lock file it holds (checkpoint.locked_out_dir): who holds it."""
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                       "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode()
+
+
+def holds_lock(path: Path) -> bool:
+    """Whether the lock file at `path` names this process: not when it is another run's, or gone
+    (its folder deleted, moved or replaced since this process wrote it)."""
+    try:
+        holder = parse_json(path.read_text()) if path.is_file() else {}  # (a pipe would hang)
+        return (holder.get("host"), holder.get("pid")) == (socket.gethostname(), os.getpid())
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def remove(path: Path):
