@@ -1,6 +1,7 @@
 """Single-process training in this pytest process: learning, exact resume, AMP."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,7 +233,7 @@ def test_a_resume_hands_rank_0s_read_copy_back_to_the_os(char_data, tmp_path, mo
     shape = dict(n_layer=2, n_head=4, n_embd=768, batch_size=2, global_batch_size=2, eval_iters=1, max_iters=1)
     train_here(char_data, tmp_path, **shape)
     size = (tmp_path / "last.pt").stat().st_size  # ~170 MB: weights and AdamW moments
-    rss = lambda: int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
+    rss = lambda: int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
     resident = []
 
     def measured(*args):
