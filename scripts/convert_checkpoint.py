@@ -4,7 +4,7 @@
 
 The folder is read in this one process through torch.distributed.checkpoint, whatever world
 size wrote it, and written atomically as the file train.py writes with checkpoint_format=file:
-the same keys, optimizer state by parameter position, every rank's RNG state. A run resumes
+the same keys, optimizer state by parameter position (and no RNG state: none is kept). A run resumes
 from either (resume=auto takes the newest in out_dir); sample.py, eval.py and
 scripts/export_hf.py read either. Bad input: one line on stderr, exit 2.
 """
