@@ -63,7 +63,8 @@ def reported(debug: bool = False, also: tuple = ()):
         too_long = isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG  # a path no file system takes
         full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) and e.filename is None and \
             not isinstance(e, also)  # stdout's (the tools that write files list OSError in `also`, with a message)
-        if isinstance(e, OSError) and not (too_long or full or isinstance(e, also)):
+        denied = isinstance(e, PermissionError) and e.filename is not None  # a mode or an owner: not a bug
+        if isinstance(e, OSError) and not (too_long or full or denied or isinstance(e, also)):
             raise
         if debug:
             traceback.print_exc()
@@ -72,6 +73,9 @@ def reported(debug: bool = False, also: tuple = ()):
             path = str(e.filename)
             message = (f"the path {path[:60]}{'[...]' * (len(path) > 60)} is too long for the file system (a name "
                        f"over 255 bytes or a path over 4096): give a shorter path")
+        elif denied:
+            message = (f"permission denied: {e.filename}: this user may not use it (check the mode and owner of it "
+                       f"and its folders), or choose another path")
         elif full:
             _stdout_gone()
             message = f"the output could not be written ({e.strerror}): free disk space where stdout goes"

@@ -1,7 +1,8 @@
-"""A bad day: a full disk, a kill at any byte, a dtype change, an impossible size, Ctrl-C. Each is
+"""A bad day: a full disk, a folder this user may not enter, a kill at any byte, a dtype change, an impossible size, Ctrl-C. Each is
 survived, or ends in one `error:` line (the same on every rank) and the documented exit status;
 never a traceback."""
 
+import ctypes
 import itertools
 import json
 import os
@@ -361,6 +362,36 @@ def test_every_entry_point_meets_bad_input_with_one_line(entry, kind, char_data,
                           text=True, timeout=300)
     assert proc.returncode == status, proc.stderr
     one_error(proc.stderr)
+
+
+def obeying_file_modes():
+    """A child's preexec_fn: root (as here and in CI) ignores file modes; without these two capabilities
+    (setpriv --bounding-set=-dac_override,-dac_read_search) it is refused as any other user is."""
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+            if libc.prctl(24, capability, 0, 0, 0):  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry, args", [("train.py", ["--out_dir={locked}/out"]), ("train.py", ["--data_dir={locked}/data"]),
+                                         ("sample.py", ["--out_dir={locked}/run"]),
+                                         ("scripts/export_hf.py", ["--out_dir={locked}/run", "--to={locked}/../hf"])])
+def test_a_folder_this_user_may_not_enter_is_one_line(entry, args, char_data, tmp_path):
+    """Another user's folder on a shared cluster: each ended in a traceback (PermissionError)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    args = (tiny_args(char_data, tmp_path / "out") if entry == "train.py" else []) + [a.format(locked=locked) for a in args]
+    locked.chmod(0)
+    try:
+        proc = subprocess.run([sys.executable, entry, *args], cwd=REPO, env=child_env(), capture_output=True, text=True,
+                              timeout=300, preexec_fn=obeying_file_modes)
+    finally:
+        locked.chmod(0o755)
+    assert proc.returncode == 2 and re.fullmatch(
+        f"error: permission denied: {re.escape(str(locked))}/\\S+: this user may not use it \\(check the mode and "
+        f"owner of it and its folders\\), or choose another path\n", proc.stderr), proc.stderr
 
 
 @pytest.mark.parametrize("tool, args", [("eval.py", ["--limit=x"]), ("data/shakespeare_char/prepare.py", ["--bogus"]),
