@@ -76,6 +76,8 @@ def gpt2_from_hf(hf_state, model, positions: int = None):
             raise ValueError(f"{name} has shape {tuple(got[name].shape)} in the GPT-2 weights, but "
                              f"{tuple(expected[name].shape)} in a GPT of n_layer={cfg.n_layer}, "
                              f"n_head={cfg.n_head}, n_embd={cfg.n_embd}, vocab_size={cfg.vocab_size}")
+        if not torch.isfinite(got[name]).all():  # (a run's checkpoint is checked so too: load_model)
+            raise ValueError(f"{name} holds NaN or inf in the GPT-2 weights: a damaged file; fetch or export it again")
     state = {name: got[name].to(torch.float32).contiguous() for name in expected if name in names}
     state["lm_head.weight"] = state["transformer.wte.weight"]
     return state
@@ -86,11 +88,9 @@ def gpt2_to_hf(model):
     wte). GPT-2 always has biases; a model without them gets zeros, which compute the same."""
     cfg, state = model.config, {}
     for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue
-        if name == "transformer.wte.weight":
-            tensor = tensor[:cfg.vocab_size]
-        state[name] = (tensor.t() if name.endswith(HF_TRANSPOSED) else tensor).detach().float().contiguous().clone()
+        tensor = tensor[:cfg.vocab_size] if name == "transformer.wte.weight" else tensor
+        if name != "lm_head.weight":
+            state[name] = (tensor.t() if name.endswith(HF_TRANSPOSED) else tensor).detach().float().contiguous().clone()
     if not cfg.bias:
         for name, tensor in list(state.items()):
             if name.endswith(".weight") and not name.endswith(("wte.weight", "wpe.weight")):
@@ -171,8 +171,7 @@ def read_shape(folder: Path) -> dict:
                           f"is 4 x n_embd wide (n_inner null or {4 * shape['n_embd']})")
     # Before a model of that shape is built (n_layer=10**6 would not fit in memory): no weight file
     # holds under a byte a weight. A smaller mismatch is named tensor by tensor in gpt2_from_hf.
-    weights = weight_file(folder)
-    n_embd = shape["n_embd"]
+    weights, n_embd = weight_file(folder), shape["n_embd"]
     params = shape["n_layer"] * 12 * n_embd ** 2 + (shape["vocab_size"] + shape["block_size"]) * n_embd
     if params > weights.stat().st_size:
         raise ConfigError(f"{where} describes a model of {params:,} weights, but {weights} holds "

@@ -259,15 +259,19 @@ def test_a_character_dataset_cannot_take_gpt2_weights(tmp_path, char_data, hf_fo
     fails_with(["train.py", *args], "reads GPT-2 BPE tokens", "--dataset=shakespeare")
 
 
-def test_a_damaged_folder_is_one_line_on_every_launcher(tmp_path, bpe_data, hf_folder, fails_with):
+@pytest.mark.parametrize("damage, message", [(lambda state: state.pop("transformer.ln_f.bias"), "lack transformer.ln_f.bias"),
+                                             (lambda state: state["transformer.ln_f.weight"].fill_(float("nan")),
+                                              "transformer.ln_f.weight holds NaN or inf in the GPT-2 weights")])
+def test_a_damaged_folder_is_one_line_on_every_launcher(tmp_path, bpe_data, hf_folder, fails_with, damage, message):
+    """(NaN weights once trained into "the validation loss is nan", sampled into a traceback, and scored)"""
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text((hf_folder / "config.json").read_text())
     state = safetensors_torch.load_file(hf_folder / "model.safetensors")
-    del state["transformer.ln_f.bias"]
+    damage(state)
     safetensors_torch.save_file(state, str(bad / "model.safetensors"))
-    fails_with(["train.py", *tiny_finetune(bpe_data, tmp_path / "out", bad, max_iters=0)],
-               "lack transformer.ln_f.bias")
+    fails_with(["train.py", *tiny_finetune(bpe_data, tmp_path / "out", bad, max_iters=0)], message)
+    fails_with(["sample.py", f"--init_from={bad}", "--max_new_tokens=2"], message)
 
 
 @pytest.mark.slow  # a process of its own: huggingface_hub reads HF_HOME when imported
