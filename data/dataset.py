@@ -57,6 +57,8 @@ def write_shard(path, tokens: np.ndarray) -> str:
 def read_shard_header(path) -> tuple[str, int]:
     """(dtype, token count) of an llm.c shard; ValueError naming the file if it is not one."""
     path = Path(path)
+    if not path.is_file():  # a pipe would hang the read below
+        raise ValueError(f"{path} is named as a token shard but is not a file: move it out of {path.parent}")
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     if len(header) < HEADER_INTS:
         raise ValueError(f"{path} is {path.stat().st_size} bytes, too short for a shard header of "
@@ -131,9 +133,13 @@ PROGRESS = ".progress.json"  # data/streaming.py's record of a preparation under
 
 
 def has_tokens(data_dir) -> bool:
-    """Whether the folder holds a dataset to read (meta.json, or shards without one), or the
-    start of one (which load_meta refuses: it is not to be prepared over)."""
-    return (Path(data_dir) / "meta.json").is_file() or has_shards(data_dir)
+    """Whether the folder holds a dataset to read (meta.json, or shards without one), or the start
+    of one, or is no folder at all (which load_meta refuses: neither is to be prepared over)."""
+    return (Path(data_dir) / "meta.json").is_file() or has_shards(data_dir) or _not_a_folder(data_dir)
+
+
+def _not_a_folder(data_dir) -> bool:
+    return os.path.lexists(data_dir) and not os.path.isdir(data_dir)  # a file, a link to nothing
 
 
 def has_shards(data_dir) -> bool:
@@ -199,6 +205,9 @@ def load_meta(data_dir, fix: str = "") -> dict:
     error when the dataset is missing or incomplete, ending in `fix` (default: prepare it again)."""
     path = Path(data_dir) / "meta.json"
     again = fix or _prepare_again(data_dir)
+    if _not_a_folder(data_dir):
+        raise ValueError(f"data_dir {data_dir} is not a folder (a file, or a link to nothing): "
+                         f"give the dataset's folder")
     if not path.is_file():
         if (Path(data_dir) / PROGRESS).is_file():  # its shards are not the whole corpus
             raise ValueError(f"{data_dir} holds an unfinished preparation ({PROGRESS} and no meta.json): run the "

@@ -3,11 +3,13 @@ never touched), llm.c's shard format, and training over many shards with the loa
 
 import hashlib
 import json
+import os
 import random
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -388,8 +390,18 @@ def bad_length(d):
         f.write(b"\0\0")  # one token more than the header says
 
 
+def a_pipe_named_as_a_shard(d):
+    """(its header read waited for a writer forever; this writer makes such a regression fail, not hang)"""
+    os.mkfifo(d / "x_train_000002.bin")
+    threading.Thread(target=lambda: open(d / "x_train_000002.bin", "wb").close(), daemon=True).start()
+
+
 @pytest.mark.parametrize("make, message", [
     (bad_length, "x_train_000001.bin: its header says 5,000 tokens but the file holds 5,001"),
+    (a_pipe_named_as_a_shard, "x_train_000002.bin is named as a token shard but is not a file: move it out of"),
+    (lambda d: (d / "x_val_000001.bin").mkdir(), "x_val_000001.bin is named as a token shard but is not a file"),
+    (lambda d: shutil.rmtree(d) or d.write_bytes(b""), "is not a folder (a file, or a link to nothing)"),
+    (lambda d: shutil.rmtree(d) or d.symlink_to(d.parent / "unmounted"), "is not a folder (a file, or a link to"),
     (lambda d: write_llm_c_shard(d / "x_train_000001.bin", np.arange(5000), magic=20240801, version=7,
                                  dtype=np.uint32), "shards of mixed dtypes"),
     (lambda d: (d / "x_train_000001.bin").unlink(), "has no meta.json and no *train*.bin shard"),
