@@ -102,8 +102,11 @@ def main(argv=None):
     model, meta, name = pretrained.load_for_text(args.init_from, args.out_dir, device)
     try:
         encode, decode = tokenizer_from_meta(meta)
+    except (ValueError, RuntimeError) as e:  # no GPT-2 BPE file to be had
+        raise ConfigError(str(e)) from None
+    try:
         prompt = encode(read_prompt(args.start))
-    except (ValueError, RuntimeError) as e:  # characters outside a char vocabulary; no GPT-2 BPE
+    except ValueError as e:  # characters outside a char vocabulary
         default = " (the default --start, a newline: give --start=TEXT)" if args.start == "\n" else ""
         raise ConfigError(f"{e}{default}") from None
     print(f"# {name}, seed {args.seed}", file=sys.stderr)

@@ -169,6 +169,12 @@ def test_a_prompt_from_a_pipe_and_a_default_prompt_the_vocabulary_lacks(trained,
     assert proc.returncode == 2 and proc.stderr.endswith(
         "(the default --start, a newline: give --start=TEXT)\n"), proc.stderr
 
+    def no_bpe_file(meta):  # the hint was added to any tokenizer error, this one too
+        raise ValueError("GPT-2 BPE file /tmp (from $GPT2_TIKTOKEN_FILE) is a folder")
+    monkeypatch.setattr(data.tokenizers, "tokenizer_from_meta", no_bpe_file)
+    proc = sample(f"--out_dir={trained}")
+    assert proc.returncode == 2 and proc.stderr == "error: GPT-2 BPE file /tmp (from $GPT2_TIKTOKEN_FILE) is a folder\n"
+
 
 def test_text_the_terminal_cannot_encode_is_escaped_not_a_traceback(trained, sample, monkeypatch):
     """PYTHONIOENCODING=ascii (or a C locale) and a sample with a character outside it: sample.py
