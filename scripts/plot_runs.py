@@ -64,6 +64,7 @@ def read_run(out_dir: Path) -> dict:
 def plot(runs: dict, out: Path):
     import matplotlib
     matplotlib.use("Agg")
+    matplotlib.rcParams["text.parse_math"] = False  # a label (a folder's name) with $...$ is text, not TeX
     import matplotlib.pyplot as plt
     panels = 3 if any(r["hellaswag"] for r in runs.values()) else 2
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2))

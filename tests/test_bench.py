@@ -143,6 +143,8 @@ def test_plot_runs_tells_same_named_folders_apart_and_skips_unreadable_lines(tmp
     # a label of non-UTF-8 bytes (a folder's name, as Python keeps it): a matplotlib traceback once
     proc = script("scripts/plot_runs.py", tmp_path / "huge", "--labels=run\udcff", f"--out={tmp_path / 'huge.png'}")
     assert proc.returncode == 0, proc.stderr
+    proc = script("scripts/plot_runs.py", tmp_path / "huge", "--labels=$\\foo^$", f"--out={tmp_path / 'huge.png'}")
+    assert proc.returncode == 0, proc.stderr  # (matplotlib's TeX parser once raised on it)
     (tmp_path / "taken.png").mkdir()  # the picture cannot be written: one line, the reason, and no temporary left
     proc = script("scripts/plot_runs.py", tmp_path / "huge", f"--out={tmp_path / 'taken.png'}")
     assert proc.returncode == 2 and proc.stderr == f"error: cannot write {tmp_path / 'taken.png'}: Is a directory\n"
