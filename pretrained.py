@@ -243,7 +243,8 @@ def add_source_args(parser):
 
 
 def check_source(args):
-    """--out_dir or --init_from, not both (one would be ignored), checked before anything is loaded."""
+    """--out_dir or --init_from (resume: nanoGPT's name for --out_dir's run), not both, checked before loading."""
+    args.init_from = "" if args.init_from == "resume" else args.init_from
     if args.init_from and args.out_dir is not None:
         raise ConfigError(f"--init_from={args.init_from} and --out_dir={args.out_dir} both name the model: give one")
     if not args.init_from:

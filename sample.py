@@ -14,7 +14,8 @@ prompt with characters outside a character-level vocabulary is an error that
 lists them. Every bad input ends in one line on stderr and exit status 2.
 
 --init_from=gpt2 (gpt2-medium, gpt2-large, gpt2-xl, or a folder holding a Hugging Face GPT-2
-model) samples from those weights with GPT-2's tokenizer, no training run needed. All
+model) samples from those weights with GPT-2's tokenizer, no training run needed (nanoGPT's
+--init_from=resume is the run in --out_dir). All
 --num_samples samples are generated together, as one batch through the key/value cache.
 """
 

@@ -26,6 +26,7 @@ def test_prints_the_requested_samples_and_the_same_seed_gives_the_same_text(trai
         assert text.startswith("the king") and len(text) == len("the king") + 25 + 1  # + print's newline
     assert sample(*args, "--seed=7").stdout == first.stdout
     assert sample(*args, "--seed=8").stdout != first.stdout
+    assert sample(*args, "--seed=7", "--init_from=resume").stdout == first.stdout  # nanoGPT's command line
 
 
 def test_prompt_from_a_file_and_greedy_decoding(trained, tmp_path, sample):
