@@ -89,8 +89,8 @@ def main(argv=None):
             print(f"{args.data_dir or args.dataset} val loss {loss:.4f} over {len(val[1])} windows of "
                   f"{model.config.block_size} tokens")
         if score.truncated:
-            print(f"note: {score.truncated} contexts were longer than block_size "
-                  f"({model.config.block_size}) and lost tokens from their left")
+            print(f"note: {score.truncated} contexts did not fit block_size "
+                  f"({model.config.block_size}) with their endings and lost tokens from their left")
         print(score.line())
     return score
 
