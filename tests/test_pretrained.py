@@ -379,6 +379,10 @@ def test_export_bad_input_is_one_line(tmp_path, fails_with):
     (tmp_path / "empty").mkdir()
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", "--to=x"],
                "no best.pt, last.pt or previous.pt")
+    (tmp_path / "other").mkdir()  # another training run's folder (once its config.json was replaced)
+    (tmp_path / "other" / "run.lock").write_text("")
+    fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'other'}"],
+               f"--to={tmp_path / 'other'} is another run's own folder: give another folder")
 
 
 # --- sample.py --init_from --------------------------------------------------------------------
