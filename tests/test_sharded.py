@@ -102,6 +102,9 @@ def damage(kind: str, last: Path):
     elif kind == "a part cut short":
         with open(last / "__0_0.distcp", "r+b") as f:
             f.truncate(1000)
+    elif kind == "a part one byte short":  # its last tensor's last byte gone
+        with open(last / "__0_0.distcp", "r+b") as f:
+            f.truncate(f.seek(0, os.SEEK_END) - 1)
     elif kind == "a part's data zeroed":  # complete by its size: only reading its tensors finds it
         (last / "__0_0.distcp").write_bytes(bytes((last / "__0_0.distcp").stat().st_size))
     elif kind == "a bit flipped in a part":  # its tensors load: only their CRC-32 tells
@@ -110,6 +113,10 @@ def damage(kind: str, last: Path):
         (last / "__0_0.distcp").write_bytes(data)
     elif kind == "metadata that runs code":
         (last / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    elif kind == "metadata naming torch.hub.load":  # a torch global, but no metadata class
+        (last / ".metadata").write_bytes(b"\x80\x04\x8c\x05torch\x94\x8c\x08hub.load\x94\x93\x94.")
+    elif kind == "metadata naming torch.save":
+        (last / ".metadata").write_bytes(b"\x80\x04\x8c\x05torch\x94\x8c\x04save\x94\x93\x94.")
     elif kind == "metadata of other types":  # DCP's own classes, holding what they never hold
         with open(last / ".metadata", "rb") as f:
             metadata = _MetadataUnpickler(f).load()  # (DCP's classes only, as a resume reads it)
@@ -125,9 +132,12 @@ def damage(kind: str, last: Path):
     ("no metadata", ".metadata is missing; the save that wrote it did not finish"),
     ("a rank's part missing", "__0_0.distcp (one rank's part) is missing"),
     ("a part cut short", "__0_0.distcp is cut short"),
+    ("a part one byte short", "__0_0.distcp is cut short"),
     ("a part's data zeroed", "rank 0: __0_0.distcp is damaged at byte 0: not what torch.save writes"),
     ("a bit flipped in a part", "fails its CRC-32 check"),
     ("metadata that runs code", "it names pathlib.Path.touch"),
+    ("metadata naming torch.hub.load", "it names torch.hub.load, which a sharded checkpoint of this repo never holds"),
+    ("metadata naming torch.save", "it names torch.save, which a sharded checkpoint of this repo never holds"),
     ("metadata garbage", "its metadata is damaged"),
     ("metadata of other types", "its metadata is damaged (AttributeError: 'int' object has no attribute"),
     ("run.json of another shape", "run.json does not hold a run's state"),
