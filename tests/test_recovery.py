@@ -4,9 +4,12 @@ Signal-then-resume under torchrun is one test, over the signal (SIGTERM from a s
 SIGINT from Ctrl-C) and the strategy (DDP, FSDP); each compares with one uninterrupted run of
 its strategy. Single-process signals and kill -9 are in tests/test_faults.py."""
 
+import contextlib
+import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -57,6 +60,30 @@ def test_a_signal_to_torchrun_stops_every_rank_at_a_step_and_resume_matches(char
     final = ckpt(tmp_path)
     assert final["step"] == STEPS
     assert_same_weights(final, uninterrupted(strategy))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_train_spawn_reaches_every_rank_which_saves_and_stops(char_data, tmp_path, sig):
+    """train_spawn.py passes SIGTERM and SIGINT on to its ranks, as torchrun does: without that the
+    launcher died (or ignored the signal) and its ranks trained on, unsaved, with no one to wait for them."""
+    proc = start([sys.executable, "train_spawn.py", "--nproc=2",
+                  *tiny_args(char_data, tmp_path, max_iters=100_000, eval_interval=100_000)])
+    ranks = []
+    try:
+        wait_for(lambda: logged_step(tmp_path) >= 1, proc, what="step 1")
+        ranks = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                    text=True).stdout.split()]
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:  # a launcher that did not pass the signal on leaves its ranks training
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 128 + sig, out
+    assert f"stopped by {sig.name} at step" in out and ckpt(tmp_path)["step"] >= 1, out  # (no eval step saved it)
 
 
 def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(char_data, tmp_path, uninterrupted):
