@@ -5,6 +5,7 @@ single-file format (so either strategy resumes the other's, on another world siz
 gradients are reduce-scattered once per optimizer step whatever the accumulation. (A SIGTERM
 stops and resumes as under DDP: tests/test_recovery.py.)"""
 
+import json
 import os
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 
 import train
 from config import resolve
-from harness import assert_close_runs, ckpt, max_diff, run_world, tiny_args
+from harness import assert_close_runs, ckpt, max_diff, run_ranks, run_world, tiny_args
 
 TOL = 1e-5  # the README's tolerance between launches
 STEPS = 6
@@ -225,7 +226,6 @@ def _rank_1_on_a_host_without_the_shared_disk(rank, world_size, args, out_dir):
 def test_sharded_checkpoints_need_storage_every_rank_sees(char_data, tmp_path):
     if os.geteuid() != 0:
         pytest.skip("a mount namespace needs root")
-    from harness import run_ranks
     out = tmp_path / "disk" / "out"
     out.parent.mkdir()
     run_ranks(_rank_1_on_a_host_without_the_shared_disk, 2,
@@ -234,6 +234,37 @@ def test_sharded_checkpoints_need_storage_every_rank_sees(char_data, tmp_path):
     assert errors[0] == errors[1] and errors[0].startswith(f"rank 1 on ") and "does not see rank 0's" in errors[0]
     assert "needs storage every rank sees" in errors[0] and "--checkpoint_format=file" in errors[0]
     assert not (out / "last.dcp").exists()
+
+
+def _check_own_folder(rank, world_size, folders, out):
+    """run_ranks: sharded.check_shared on this rank's own folder, folders[rank] (another host's disk
+    at the same path); what it raised, or "seen", in out/rankN.txt."""
+    import sharded
+    from collectives import process_group
+    from errors import ConfigError
+    from world import place
+    world = place("cpu", "float32", "gloo")
+    with process_group(world, 60):
+        try:
+            sharded.check_shared(Path(folders[rank]), world, "to resume from it")
+            message = "seen"
+        except ConfigError as e:
+            message = str(e)
+    (Path(out) / f"rank{rank}.txt").write_text(message)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_folder_of_the_same_name_but_other_content_is_not_rank_0s(tmp_path):
+    """Each host an old copy of last.dcp at the path (run.json there on both, other bytes): checked by
+    content, not by name, every rank stops; finding a run.json there is not seeing rank 0's."""
+    folders = [tmp_path / f"host{r}" / "last.dcp" for r in (0, 1)]
+    for r, folder in enumerate(folders):
+        folder.mkdir(parents=True)
+        (folder / "run.json").write_text(json.dumps({"step": 4 * (r + 1), "param_groups": []}))
+    run_ranks(_check_own_folder, 2, [str(f) for f in folders], str(tmp_path))
+    errors = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert errors[0] == errors[1] and errors[0].startswith("rank 1 on "), errors
+    assert f"does not see rank 0's {folders[1]} (to resume from it)" in errors[0]
 
 
 @pytest.mark.slow
