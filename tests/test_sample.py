@@ -1,5 +1,6 @@
 """sample.py on a checkpoint from a short run, in this process (its __main__ run by runpy)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -27,6 +28,27 @@ def test_prints_the_requested_samples_and_the_same_seed_gives_the_same_text(trai
     assert sample(*args, "--seed=7").stdout == first.stdout
     assert sample(*args, "--seed=8").stdout != first.stdout
     assert sample(*args, "--seed=7", "--init_from=resume").stdout == first.stdout  # nanoGPT's command line
+
+
+def test_samples_generated_in_several_batches_are_independent_draws(trained, monkeypatch, capsys):
+    """A request larger than CHUNK_BYTES runs as several generate calls: each drew from a generator
+    seeded afresh, and every batch repeated the first one's text."""
+    import sample as sample_py
+    monkeypatch.setattr(sample_py, "CHUNK_BYTES", 1)  # one sample a batch
+    sample_py.main([f"--out_dir={trained}", "--start=the king", "--num_samples=3", "--max_new_tokens=10", "--seed=7"])
+    samples = capsys.readouterr().out.split(SEPARATOR + "\n")[:-1]
+    assert len(samples) == 3 and len(set(samples)) == 3, samples
+
+
+def test_the_checkpoints_own_vocabulary_decodes_not_a_meta_json_a_later_run_rewrote(trained_copy, sample):
+    """out_dir/meta.json is the dataset's of the latest run into out_dir; the checkpoint keeps the
+    characters it was trained on, and sample.py reads with those."""
+    args = [f"--out_dir={trained_copy}", "--start=the king", "--num_samples=1", "--max_new_tokens=10", "--seed=7"]
+    before = sample(*args)
+    assert before.returncode == 0, before.stderr
+    meta = json.loads((trained_copy / "meta.json").read_text())
+    (trained_copy / "meta.json").write_text(json.dumps({**meta, "chars": meta["chars"][::-1]}))
+    assert sample(*args).stdout == before.stdout
 
 
 def test_prompt_from_a_file_and_greedy_decoding(trained, tmp_path, sample):
