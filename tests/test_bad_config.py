@@ -220,6 +220,10 @@ CASES = [
      r"val\.bin is missing, though meta\.json is there"),
     ("token id beyond the vocabulary", [], lambda d, m: put_token(d, "train", 30_000, 65_535),
      r"train\.bin: token id 65535 at position 30,000 is >= vocab_size"),
+    # the sampled windows reach a split's very last token, and an id of vocab_size is one too many
+    ("token id of vocab_size at a split's end", [],
+     lambda d, m: put_token(d, "val", -1, json.loads((d / "meta.json").read_text())["vocab_size"]),
+     r"val\.bin: token id (\d+) at position 6,001 is >= vocab_size \1: the files come from different"),
 ]
 
 

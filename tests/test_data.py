@@ -292,6 +292,14 @@ def test_large_vocabularies_are_stored_as_uint32(tmp_path):
     assert np.fromfile(tmp_path / "train.bin", dtype=np.uint32).tolist() == [70_000, 1]
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_before_anything_is_written(tmp_path):
+    meta = {"vocab_size": 65, "tokenizer": "char", "chars": "".join(map(chr, range(32, 97)))}
+    for train_ids, val_ids, split in (([0, 65], [1], "train"), ([0], [65], "val"), ([0], [-1], "val")):
+        with pytest.raises(ValueError, match=rf"^{split}\.bin: token ids must lie in \[0, 65\)$"):
+            write_dataset(tmp_path, train_ids, val_ids, meta)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("name", ["shakespeare_char", "shakespeare"])
 def test_prepare_with_bad_input_exits_2_and_writes_nothing(tmp_path, script, name):
     latin1 = tmp_path / "latin1.txt"

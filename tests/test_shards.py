@@ -152,6 +152,12 @@ def test_preparing_again_leaves_a_finished_dataset_alone(corpus, tmp_path):
     other = prepare("fineweb", *args[:-2], "--shard_tokens=60000", "--workers=1")
     assert other.returncode == 2 and "already holds a dataset prepared with other settings" in other.stderr
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    shard = next(p for p in tmp_path.iterdir() if p.name.endswith(".bin"))  # appended to: its size says so
+    with open(shard, "ab") as f:
+        f.write(b"\0\0")
+    changed = prepare("fineweb", *args)
+    assert changed.returncode == 2 and changed.stderr == (f"error: {shard} is missing or changed since it was "
+                                                          f"written: remove {tmp_path} and prepare again\n"), changed.stderr
 
 
 def write_llm_c_shard(path: Path, tokens, magic=20240520, version=1, dtype=np.uint16):
@@ -293,11 +299,18 @@ def test_a_tokenizing_worker_leaves_ctrl_c_to_the_main_process(monkeypatch):
         signal.signal(signal.SIGINT, previous)
 
 
+# a meta.json whose shard list is well formed, but whose train shards hold one token more than train_tokens
+MISCOUNTED = {"format": 1, "vocab_size": 50257, "dtype": "uint16", "tokenizer": "gpt2", "train_tokens": 10,
+              "val_tokens": 5, "shards": {"train": [{"file": "x_train_000001.bin", "tokens": 11}],
+                                          "val": [{"file": "x_val_000000.bin", "tokens": 5}]}}
+
+
 @pytest.mark.parametrize("name, text", [("meta.json", "[]"), (".progress.json", "[]"),
                                         (".progress.json", '{"settings": {}, "counts": [], "streams": {"s": {}}}'),
                                         (".progress.json", ""),  # and nested past what the parser takes:
                                         pytest.param("meta.json", "[" * 100_000, id="meta.json-nested"),
-                                        pytest.param(".progress.json", "[" * 100_000, id="progress-nested")])
+                                        pytest.param(".progress.json", "[" * 100_000, id="progress-nested"),
+                                        pytest.param("meta.json", json.dumps(MISCOUNTED), id="meta.json-miscounted")])
 def test_a_damaged_meta_or_progress_file_is_one_line_naming_it(corpus, tmp_path, script, name, text):
     folder, _ = corpus
     out = tmp_path / "out"
@@ -306,6 +319,8 @@ def test_a_damaged_meta_or_progress_file_is_one_line_naming_it(corpus, tmp_path,
     proc = script("data/fineweb/prepare.py", f"--input={folder}/part2.jsonl", f"--out_dir={out}", "--workers=1")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"error: {out / name}" in proc.stderr and f"remove {out} and prepare again" in proc.stderr, proc.stderr
+    if "shards" in text:
+        assert "the train shards add up to another count than train_tokens" in proc.stderr, proc.stderr
 
 
 def test_a_glob_may_name_folders_too(tmp_path):
