@@ -111,6 +111,30 @@ def test_an_atomic_write_that_cannot_be_renamed_leaves_no_temporary(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["x.pt"]
 
 
+def test_a_run_lock_is_this_processs_only_when_it_names_this_host_and_this_pid(tmp_path):
+    """A run on another host with the same pid (its own container's pid 1, say) holds the lock too."""
+    import socket
+    from data.files import holds_lock, lock_note
+    lock = tmp_path / "run.lock"
+    lock.write_bytes(lock_note())
+    assert holds_lock(lock)
+    for holder in ({"host": "elsewhere", "pid": os.getpid()}, {"host": socket.gethostname(), "pid": os.getpid() + 1}):
+        lock.write_text(json.dumps(holder))
+        assert not holds_lock(lock), holder
+    lock.unlink()
+    assert not holds_lock(lock)
+
+
+def test_remove_deletes_a_link_to_a_folder_not_the_folder(tmp_path):
+    """rmtree on the link did nothing (ignore_errors), and following it would delete what it points to."""
+    from data.files import remove
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "kept").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    remove(tmp_path / "link")
+    assert not os.path.lexists(tmp_path / "link") and (tmp_path / "target" / "kept").read_text() == "x"
+
+
 def test_load_meta_names_the_missing_dataset_and_how_to_prepare_it(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"meta\.json not found: prepare the dataset first \(python "
                                                 r"data/shakespeare_char/prepare\.py --out_dir "):
