@@ -319,5 +319,10 @@ def test_an_error_line_a_launcher_cannot_collect_goes_to_stderr(tmp_path, monkey
     say("error: the real reason")
     assert capsys.readouterr().err == "error: the real reason\n"
     monkeypatch.setenv("ERRORS_TO", str(tmp_path))
+    monkeypatch.delenv("RANK", raising=False)
     say("error: collected")
     assert capsys.readouterr().err == "" and (tmp_path / "0").read_text() == "error: collected"
+    monkeypatch.setenv("RANK", "1")  # each rank its own file: the launcher prints each distinct line once
+    say("error: rank 1's")
+    assert capsys.readouterr().err == "" and (tmp_path / "1").read_text() == "error: rank 1's"
+    assert (tmp_path / "0").read_text() == "error: collected"
