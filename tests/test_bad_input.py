@@ -235,7 +235,8 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temporar
     assert not (out / "previous.pt").samefile(out / "last.pt")
     assert not list(out.glob(".*.tmp"))
     # the same failure inside a run: a message, and the run's last good checkpoint stays
-    with pytest.raises(RunError, match="could not write a checkpoint at step 12.*No space left"):
+    with pytest.raises(RunError, match="could not write a checkpoint at step 12.*No space left.*free disk space or "
+                                       "choose another out_dir, then relaunch with resume=auto"):
         train_here(data_dir_of(out), out, max_iters=12, eval_interval=12, resume="auto")
     assert (out / "last.pt").read_bytes() == before
     assert not list(out.glob(".*.tmp"))

@@ -127,7 +127,8 @@ def test_a_log_line_that_could_not_be_written_stops_the_run_before_a_checkpoint_
                 raise OSError(28, "No space left on device")
             return self.f.write(text)
     monkeypatch.setattr(logger, "open", lambda path, mode="r": FullForTheRow(real_open(path, mode)), raising=False)
-    with pytest.raises(LogNotWritten, match=r"could not write .*metrics\.jsonl \(No space left on device\)"):
+    with pytest.raises(LogNotWritten, match=r"could not write .*metrics\.jsonl \(No space left on device\): free "
+                                            r"disk space, then relaunch with resume=auto"):
         train.main(resolve(tiny_args(char_data, tmp_path / "out", max_iters=8, eval_interval=4, log_interval=1)))
     assert not (tmp_path / "out" / "last.pt").exists() and len(calls) == steps_run
 
