@@ -95,9 +95,9 @@ def test_a_log_or_checkpoint_cut_at_any_byte_never_blocks_a_resume(char_data, tm
     # lines that parse but hold no step (an edited file) are dropped the same way
     out = shutil.copytree(older, tmp_path / "edited")
     with open(out / "metrics.jsonl", "a") as f:
-        f.write('{"step": null}\n{"step": "x"}\n[]\n')
+        f.write('{"step": null}\n{"step": "x"}\n[]\n{"step": 1e999}\n')  # (the last: inf, no integer)
     code, printed, err = train_cli(capsys, char_data, out, max_iters=12, eval_interval=5)
-    assert code == 0 and "warning: dropped 3 unreadable lines" in printed, err
+    assert code == 0 and "warning: dropped 4 unreadable lines" in printed, err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r for r in rows if r["step"] <= 10] == [json.loads(line) for line in logged.splitlines()]  # step 10's too
 
