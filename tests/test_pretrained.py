@@ -383,6 +383,10 @@ def test_export_bad_input_is_one_line(tmp_path, fails_with):
     (tmp_path / "other" / "run.lock").write_text("")
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'other'}"],
                f"--to={tmp_path / 'other'} is another run's own folder: give another folder")
+    (tmp_path / "link").symlink_to(tmp_path / "empty")  # its config.json would replace the run's
+    for to in (tmp_path / "empty", tmp_path / "link"):
+        fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={to}"],
+                   f"--to={to} is the run's own folder")
 
 
 # --- sample.py --init_from --------------------------------------------------------------------

@@ -196,6 +196,10 @@ def test_a_hand_edited_run_json_is_one_line(char_data, sharded, tmp_path, script
 
 def test_the_converter_checks_a_folder_before_writing(sharded, tmp_path, script, monkeypatch):
     out = Path(shutil.copytree(sharded, tmp_path / "out"))
+    ran = script("scripts/convert_checkpoint.py", out / "last.dcp", tmp_path / "x.bin")  # resume= would not take it
+    assert ran.returncode == 2 and ran.stderr == (f"error: {tmp_path / 'x.bin'}: name the file NAME.pt, as train.py "
+                                                  f"and resume= expect\n"), ran.stderr
+    assert not (tmp_path / "x.bin").exists()
     run_json = out / "last.dcp" / "run.json"
     run_json.write_text(json.dumps({k: v for k, v in json.loads(run_json.read_text()).items() if k != "step"}))
     ran = script("scripts/convert_checkpoint.py", out / "last.dcp", tmp_path / "x.pt")
