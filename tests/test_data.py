@@ -111,7 +111,7 @@ def test_an_atomic_write_that_cannot_be_renamed_leaves_no_temporary(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["x.pt"]
 
 
-def test_a_run_lock_is_this_processs_only_when_it_names_this_host_and_this_pid(tmp_path):
+def test_a_run_lock_is_this_runs_only_when_it_names_this_host_and_this_pid(tmp_path):
     """A run on another host with the same pid (its own container's pid 1, say) holds the lock too."""
     import socket
     from data.files import holds_lock, lock_note
