@@ -156,8 +156,9 @@ def test_preparing_again_leaves_a_finished_dataset_alone(corpus, tmp_path):
     with open(shard, "ab") as f:
         f.write(b"\0\0")
     changed = prepare("fineweb", *args)
-    assert changed.returncode == 2 and changed.stderr == (f"error: {shard} is missing or changed since it was "
-                                                          f"written: remove {tmp_path} and prepare again\n"), changed.stderr
+    assert changed.returncode == 2, changed.stderr
+    assert changed.stderr == (f"error: {shard} is missing or changed since it was written: remove {tmp_path} "
+                              f"and prepare again\n")
 
 
 def write_llm_c_shard(path: Path, tokens, magic=20240520, version=1, dtype=np.uint16):
