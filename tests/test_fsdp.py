@@ -231,7 +231,7 @@ def test_sharded_checkpoints_need_storage_every_rank_sees(char_data, tmp_path):
     run_ranks(_rank_1_on_a_host_without_the_shared_disk, 2,
               args_for(char_data, out, strategy="fsdp", checkpoint_format="sharded"), str(out))
     errors = [(tmp_path / f"error.{r}").read_text() for r in (0, 1)]
-    assert errors[0] == errors[1] and errors[0].startswith(f"rank 1 on ") and "does not see rank 0's" in errors[0]
+    assert errors[0] == errors[1] and errors[0].startswith("rank 1 on ") and "does not see rank 0's" in errors[0]
     assert "needs storage every rank sees" in errors[0] and "--checkpoint_format=file" in errors[0]
     assert not (out / "last.dcp").exists()
 
