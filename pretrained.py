@@ -291,8 +291,8 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
     model, step, path, vocab = checkpoint.read_first(paths, build)
     meta_path = out_dir / "meta.json"
     if not meta_path.is_file():
-        raise ConfigError(f"{meta_path} is missing: train.py writes it beside the checkpoint; copy "
-                          f"the dataset's meta.json there")
+        raise ConfigError(f"{meta_path} is {'no file' if meta_path.exists() else 'missing'}: train.py writes it beside "
+                          f"the checkpoint; copy the dataset's meta.json there")
     try:
         meta = load_meta(out_dir, fix="copy the dataset's meta.json there (train.py copied it from the dataset)")
     except ValueError as e:

@@ -256,7 +256,8 @@ def check_token_files(data_dir, meta: dict, n_windows: int = 16, window: int = 4
         for shard in shards:
             path = shard.path
             if not path.is_file():
-                raise FileNotFoundError(f"{path} is missing, though meta.json is there: {again}")
+                raise FileNotFoundError(f"{path} is {'no file' if os.path.lexists(path) else 'missing'}, though "
+                                        f"meta.json is there: {again}")
             if shard.offset:  # an llm.c shard: its header must agree
                 found, count = read_shard_header(path)
                 if found != dtype.name:

@@ -218,6 +218,8 @@ CASES = [
      r"val\.bin holds 6,003 tokens, but meta\.json says 6,002"),
     ("bin missing", [], lambda d, m: (d / "val.bin").unlink(),
      r"val\.bin is missing, though meta\.json is there"),
+    ("bin a folder", [], lambda d, m: (d / "val.bin").unlink() or (d / "val.bin").mkdir(),
+     r"val\.bin is no file, though meta\.json is there"),
     ("token id beyond the vocabulary", [], lambda d, m: put_token(d, "train", 30_000, 65_535),
      r"train\.bin: token id 65535 at position 30,000 is >= vocab_size"),
     # the sampled windows reach a split's very last token, and an id of vocab_size is one too many

@@ -114,6 +114,7 @@ def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, m
 @pytest.mark.parametrize("damage, message", [
     (lambda out: (out / "best.pt").unlink() or (out / "last.pt").unlink(), "no best.pt, last.pt or previous.pt in"),
     (lambda out: (out / "meta.json").unlink(), "meta.json is missing: train.py writes it"),
+    (lambda out: (out / "meta.json").unlink() or (out / "meta.json").mkdir(), "meta.json is no file: train.py writes it"),
     (lambda out: (out / "meta.json").write_text("[1, 2"), "meta.json is not valid JSON"),
     (lambda out: (out / "meta.json").write_text("[" * 100_000), "meta.json is not valid JSON (maximum recursion"),
     (lambda out: (out / "meta.json").write_text('{"format": 1}'),  # not "prepare" into the run's folder
