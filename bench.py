@@ -14,9 +14,8 @@ process fsdp has nothing to shard and runs as ddp, so its row repeats ddp's meas
 
 The data is synthetic by default (uniform random GPT-2 token ids: GPT-2's vocabulary, whatever
 a config file's dataset), so no dataset is needed; give --dataset=NAME or --data_dir=DIR to read
-real data. Under another launcher (several
-hosts, SLURM), run the worker with it: `torchrun ... bench.py --worker --result=FILE ...`;
-rank 0 writes the run's figures to FILE.
+real data. Under another launcher (several hosts, SLURM), run the worker with it:
+`torchrun ... bench.py --worker --result=FILE ...`; rank 0 writes the run's figures to FILE.
 
 Each figure (tokens/s, step time, comm share, memory, model state, MFU, scaling efficiency) is
 defined in docs/performance.md.
@@ -158,7 +157,6 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
         times = slowest_rank(timed_steps(run, steps, device), world)
         peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
-        held = state_bytes(run)
         nosync = None
         if world.size > 1:  # the same steps with no gradient communication at all
             timed_steps(run, 1, device, sync=False)
@@ -169,7 +167,7 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
             world_size=world.size, accumulation_steps=accum, tokens_per_step=cfg.tokens_per_step,
             step_times=times, step_times_nosync=nosync, peak_memory=[row[0] for row in by_rank([peak], world)],
             memory_kind="cuda max allocated" if device.type == "cuda" else "peak RSS",
-            state_bytes=held, sequences_per_rank_step=cfg.batch_size * accum,
+            state_bytes=state_bytes(run), sequences_per_rank_step=cfg.batch_size * accum,
             mfu=run.raw_model.estimate_mfu(cfg.batch_size * accum, statistics.mean(times),
                                            cfg.peak_flops or None) if device.type == "cuda" else None,
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -293,6 +291,8 @@ def main(argv=None):
             if problem:
                 raise ConfigError(problem)
     report = Path(opts["report"])
+    if not opts["report"] or report.exists() and not report.is_dir():  # (empty: an unset shell variable)
+        raise ConfigError(f"--report={opts['report']} is no folder: give one for bench.json, bench.md and bench.png")
     report.mkdir(parents=True, exist_ok=True)
     rows = measure(strategies, nprocs, cfg_args, steps, warmup, report, flags["--profile"])
     write_report(rows, report, steps, warmup, args)

@@ -91,8 +91,11 @@ def test_measured_state_bytes_confirm_the_memory_formula(report):
     assert runs["fsdp", 2]["optimizer"] == pytest.approx(runs["ddp", 2]["optimizer"] / 2, rel=0.01)
 
 
-def test_bench_bad_arguments_are_one_line(script):
+def test_bench_bad_arguments_are_one_line(script, tmp_path):
+    (tmp_path / "a_file").write_text("")  # (it wrote the report into the current folder; a file: "File exists")
     for args, needle in ((["--nproc=0"], "at least 1"), (["--strategies=zero3"], "choose from ddp, fsdp"),
+                         (["--report="], "--report= is no folder: give one for bench.json"),
+                         ([f"--report={tmp_path / 'a_file'}"], "a_file is no folder"),
                          (["--nproc=3"], "x world size (3) = 48: try --global_batch_size=48"),
                          (["--nproc=1,1"], "--nproc=1,1 repeats a value"),
                          (["--steps=5,10"], "--steps=5,10: give a number"), (["--warmup=1,2"], "--warmup=1,2: give")):
