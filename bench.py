@@ -10,7 +10,7 @@ Arguments are train.py's (a config file, --name=value overrides) plus --nproc=N[
 strategy and process count is a real run: torchrun starts `bench.py --worker` on this host,
 which builds the model, optimizer, scaler and loader with train.py's build_run and times
 train.py's own optimizer step. Warm-up steps (compilation included) are not timed. On one
-process fsdp has nothing to shard and runs as ddp, so its row repeats ddp's measurement.
+process fsdp has nothing to shard and runs as ddp: its row repeats ddp's when ddp comes first.
 
 The data is synthetic by default (uniform random GPT-2 token ids: GPT-2's vocabulary, whatever
 a config file's dataset), so no dataset is needed; give --dataset=NAME or --data_dir=DIR to read

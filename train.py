@@ -11,7 +11,7 @@
 
 Arguments are config files (plain Python) and --name=value overrides (docs/config.md); ranks come
 from the launcher's environment (world.py). Only rank 0 writes into out_dir (each rank its shards of
-a sharded checkpoint). A mistake ends every rank at once, with one message (docs/guarantees.md).
+a sharded checkpoint). A mistake ends every rank at once, with one message (docs/troubleshooting.md).
 """
 
 import math

@@ -6,8 +6,8 @@
 Left: train loss (each logged step, lines) and val loss (each eval, markers) against the step;
 middle: the same against tokens seen, so runs with different batch sizes line up; and when a
 run evaluated HellaSwag (hellaswag_interval), a third panel of its acc_norm against the step,
-beside GPT-2 124M's score by the same scorer. Each run is
-labelled by its folder name (or --labels), with its world size from config.json when present.
+beside GPT-2 124M's score by the same scorer. Each run is labelled by its folder name with
+its world size from config.json when present, or by --labels.
 Folders of the same name (exp1/out, exp2/out) are labelled by their paths. A folder without
 metrics.jsonl, or with no loss in it, is one line on stderr and exit 2; an unreadable line in
 it (cut short by a kill) is skipped with a warning, as train.py does on a resume.
