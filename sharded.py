@@ -256,13 +256,13 @@ def check_shared(folder: Path, world, what: str):
         if probe.suffix == ".tmp":
             probe.write_text(os.urandom(16).hex())
     try:
-        name, expected = broadcast_json(probe and [probe.name, digest(probe)], world)
+        name, expected, where = broadcast_json(probe and [probe.name, digest(probe), str(folder)], world)
         try:
             seen = digest(folder / name) == expected
         except OSError:
             seen = False
         agree_or_raise(None if seen else
-                       f"rank {world.rank} on {socket.gethostname()} does not see rank 0's {folder} ({what}): "
+                       f"rank {world.rank} on {socket.gethostname()} does not see rank 0's {where} ({what}): "
                        f"checkpoint_format=sharded needs storage every rank sees (a shared filesystem); "
                        f"use --checkpoint_format=file, which needs none", world)
     finally:

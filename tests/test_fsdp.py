@@ -264,7 +264,7 @@ def test_a_checkpoint_folder_of_the_same_name_but_other_content_is_not_rank_0s(t
     run_ranks(_check_own_folder, 2, [str(f) for f in folders], str(tmp_path))
     errors = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
     assert errors[0] == errors[1] and errors[0].startswith("rank 1 on "), errors
-    assert f"does not see rank 0's {folders[1]} (to resume from it)" in errors[0]
+    assert f"does not see rank 0's {folders[0]} (to resume from it)" in errors[0]  # (not rank 1's path)
 
 
 @pytest.mark.slow
