@@ -22,6 +22,7 @@ import torch
 from config import Config
 import sharded
 from collectives import on_rank0
+from data.dataset import has_shards
 from data.files import (atomic_write, disk_full, link_or_copy, lock_note, read_json, remove_stale_temporaries,
                         tensor_bytes)
 from errors import ConfigError, OutDirBusy, OutDirUnwritable, UnreadableCheckpoint, load_failure
@@ -66,6 +67,10 @@ def locked_out_dir(out_dir, world):
     created = world.is_master and not out_dir.exists()
     if world.is_master:
         try:
+            inside = next((p for p in Path(os.path.realpath(out_dir)).parents if p.suffix == ".dcp"), None)
+            if inside or (out_dir / "train.bin").exists() or has_shards(out_dir):  # its files would go, or be replaced
+                raise ConfigError(f"{out_dir} is " + (f"inside the checkpoint {inside}, which a save replaces" if inside
+                                  else "a dataset folder, whose meta.json the run writes") + ": choose another --out_dir")
             out_dir.mkdir(parents=True, exist_ok=True)
             for path in map(out_dir.joinpath, WRITTEN):  # (run.lock is written in place: not through a link)
                 if path.exists() and not path.is_file() or path.name == "run.lock" and path.is_symlink():

@@ -493,6 +493,21 @@ def test_a_file_of_the_run_held_by_something_else_is_refused_before_training(tra
     assert notes.read_text() == "a user's file"
 
 
+def test_an_out_dir_in_a_sharded_checkpoint_or_a_dataset_folder_is_refused(char_data, tmp_path, script):
+    """Inside last.dcp, the run's files went when a save of the other run rotated and replaced that folder;
+    in a dataset's folder, the run wrote its meta.json over the dataset's."""
+    (tmp_path / "run" / "last.dcp").mkdir(parents=True)
+    data = shutil.copytree(char_data, tmp_path / "data")
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    for out, why in ((tmp_path / "run" / "last.dcp" / "sub", f"inside the checkpoint {tmp_path / 'run' / 'last.dcp'}, "
+                                                             f"which a save replaces"),
+                     (data, "a dataset folder, whose meta.json the run writes")):
+        proc = script("train.py", *tiny_args(char_data, out))
+        assert proc.returncode == 2 and proc.stderr == f"error: {out} is {why}: choose another --out_dir\n", proc.stderr
+    assert not (tmp_path / "run" / "last.dcp" / "sub").exists()
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before
+
+
 def test_a_new_out_dir_deleted_under_a_failing_run_leaves_its_own_error(tmp_path):
     """The clean-up of a folder the run made listed it: a FileNotFoundError traceback after the run's error."""
     with pytest.raises(RuntimeError, match="the run's own failure"):
