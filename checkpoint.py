@@ -274,6 +274,14 @@ def read_first(paths: list, use, say: bool = True):
                 print(f"warning: {e}\ntrying {paths[i + 1]} instead", file=sys.stderr, flush=True)
 
 
+def readable(path: Path) -> bool:
+    """Whether `path` reads as a checkpoint, by its plain values (a .pt mapped, not CRC-checked)."""
+    try:
+        return isinstance(read(path, tensors=False), dict)
+    except ConfigError:  # (UnreadableCheckpoint among them)
+        return False
+
+
 def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
     """The checkpoint this run continues from (rank 0's; the others get its plain values), once restore(ckpt)
     took it on every rank; or None. A damaged one falls back to the next newest (last -> previous): a .pt

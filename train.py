@@ -164,10 +164,11 @@ class Run:
         self.wait_for_save()  # at most one background save in flight
         out_dir, failure = Path(self.cfg.out_dir), None
         last = out_dir / f"last{'.dcp' if self.cfg.checkpoint_format == 'sharded' else '.pt'}"
-        # resumed from another of out_dir's checkpoints than this last (it was damaged, or older than
-        # the other format's last), nothing saved since: this last must not become previous
+        # resumed from another of out_dir's checkpoints than this last, nothing saved since: a damaged last
+        # (or older than the other format's) must not become previous; a readable one a rollback replaces does
         resumed, real = Path(self.resumed_from or last), os.path.realpath  # (Path.resolve raises on a link loop)
-        rotate = real(resumed) == real(last) or real(resumed.parent) != real(out_dir) or self.saved[0] != resumed.name
+        rotate = real(resumed) == real(last) or real(resumed.parent) != real(out_dir) or self.saved[0] != resumed.name \
+            or self.cfg.resume != "auto" and checkpoint.readable(last)
         try:
             if self.cfg.checkpoint_format == "sharded":  # every rank writes its own part
                 self.pending = sharded.save_run(self.raw_model, self.optimizer, self.state_dict(False, log.text()),

@@ -55,7 +55,7 @@ def test_each_rank_draws_its_own_dropout_masks_at_each_step():
 
 def test_a_resume_from_another_folder_keeps_that_runs_log(char_data, tmp_path):
     """--resume=A/last.pt into an out_dir holding another run's log: the log is A's history, not a splice;
-    and the last.pt that the first save replaces stays as previous.pt, as any save's does."""
+    and the last.pt that the first save replaces stays as previous.pt, as any save's does (a rollback too)."""
     a, b = tmp_path / "a", tmp_path / "b"
     train_here(char_data, b, max_iters=4, eval_interval=2, seed=7)  # b's own run, another seed
     train_here(char_data, a, max_iters=2, eval_interval=2)
@@ -64,6 +64,11 @@ def test_a_resume_from_another_folder_keeps_that_runs_log(char_data, tmp_path):
     assert [r["step"] for r in metrics(b) if "val_loss" in r] == [0, 2, 4]
     previous = ckpt(b, "previous.pt")
     assert (previous["step"], previous["config"]["seed"]) == (4, 7)
+    # a rollback to a's own previous.pt (step 2, say to lower the rate): the newest last.pt was lost
+    train_here(char_data, a, max_iters=4, eval_interval=2)
+    newest = (a / "last.pt").read_bytes()
+    train_here(char_data, a, max_iters=4, eval_interval=2, resume=str(a / "previous.pt"), learning_rate=5e-4)
+    assert (a / "previous.pt").read_bytes() == newest and ckpt(a)["config"]["learning_rate"] == 5e-4
 
 
 def test_the_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr():
