@@ -185,7 +185,8 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
     saved = {**dataclasses.asdict(GPTConfig()), **ckpt["model_args"]}  # older files lack newer fields
     diff = {k: (saved.get(k), v) for k, v in model_args.items() if k != "dropout" and saved.get(k) != v}
     if diff:
-        raise ConfigError(f"{path} holds another model shape (checkpoint, now): {diff}")
+        raise ConfigError(f"{path} holds another model shape (checkpoint, now): {diff}: resume with the shape it was "
+                          f"trained with, or start afresh with --resume=never (or another --out_dir)")
     for name in ("global_batch_size", "seed"):
         if ckpt["config"].get(name) != getattr(cfg, name):
             raise ConfigError(f"{path} was trained with {name}={ckpt['config'].get(name)}; resuming with "

@@ -147,7 +147,8 @@ def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_prev
 @pytest.mark.parametrize("problem, message", [
     ("missing", "nothing to resume from"),
     ("random bytes", "cannot read checkpoint"),
-    ("other shape", "holds another model shape"),
+    ("other shape", "holds another model shape (checkpoint, now): {'n_embd': (32, 64)}: resume with the shape it "
+                    "was trained with, or start afresh with --resume=never"),
     ("other seed", "was trained with seed=1337; resuming with 7 would change the data order"),
     ("other global batch", "was trained with global_batch_size=8; resuming with 16 would change the data order"),
     (lambda ck: ck.pop("loader"), "lacks ['loader']: it was not written by this train.py"),
