@@ -112,8 +112,10 @@ def newest(paths: list) -> list:
     """The checkpoints among `paths` that exist, the most recently written first (not the
     highest step: a fresh run into a used out_dir makes the old run's last its previous), but
     never a previous before its own format's last (a copy or a touch can make it look newer)."""
-    stamps = {p: (p / ".metadata" if (p / ".metadata").exists() else p).stat().st_mtime_ns  # a .dcp's commit
-              for p in paths if p.exists()}
+    def stamp(p):  # a .dcp's commit; a link to nothing (storage not mounted?) is tried, and reported
+        p = p / ".metadata" if (p / ".metadata").exists() else p
+        return (os.stat(p) if p.exists() else os.lstat(p)).st_mtime_ns
+    stamps = {p: stamp(p) for p in paths if os.path.lexists(p)}
 
     def key(p):
         last = stamps.get(p.with_name(f"last{p.suffix}"), stamps[p])

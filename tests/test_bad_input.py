@@ -104,6 +104,16 @@ def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained
     assert [torch.load(out / f"{k}.pt", weights_only=True)["step"] for k in ("previous", "last")] == [5, 10]
 
 
+def test_a_last_pt_linked_to_nothing_is_reported_not_skipped(trained_copy, char_data, capsys):
+    """(its storage not mounted, say): resume=auto took previous.pt without a word"""
+    out = trained_copy
+    (out / "last.pt").unlink()
+    (out / "last.pt").symlink_to(out / "gone" / "last.pt")
+    assert train_here(char_data, out, max_iters=10, eval_interval=5, resume="auto")["step"] == 10
+    assert f"cannot read checkpoint {out / 'last.pt'}: it is not a file\ntrying {out / 'previous.pt'}" in \
+        capsys.readouterr().err
+
+
 @pytest.mark.parametrize("damage", ["bytes", "a link to itself"])
 def test_a_previous_pt_resumed_by_another_spelling_of_its_path_is_kept(trained_copy, char_data, damage):
     out = trained_copy
