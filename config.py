@@ -116,7 +116,7 @@ def _show(value, limit: int = 80) -> str:
 def _allowed(name: str) -> tuple:
     """The types field `name` takes (Optional[int]: int, NoneType); an unknown name suggests the nearest."""
     if name not in FIELD_TYPES:
-        close = difflib.get_close_matches(name, list(FIELD_TYPES), n=1, cutoff=0.5)
+        close = difflib.get_close_matches(name, list(FIELD_TYPES), n=1, cutoff=0.6)  # (0.5: nproc, wandb_project)
         hint = f"did you mean '{close[0]}'?" if close else "see docs/config.md"
         raise ConfigError(f"unknown config name {_show(name)}: {hint}")
     return typing.get_args(FIELD_TYPES[name]) or (FIELD_TYPES[name],)

@@ -26,6 +26,9 @@ def test_unknown_name_suggests_the_closest_valid_name(tmp_path):
     cfg_file.write_text("learnig_rate = 0.1\n")
     with pytest.raises(ConfigError, match="'learnig_rate'.*'learning_rate'"):
         resolve([str(cfg_file)])
+    for far in ("nproc", "nprocs"):  # a launcher's option: it suggested 'wandb_project'
+        with pytest.raises(ConfigError, match=f"^unknown config name '{far}': see docs/config.md$"):
+            resolve([f"--{far}=2"])
 
 
 @pytest.mark.parametrize("arg, expected", [
