@@ -252,7 +252,10 @@ def resolve(args: list[str]) -> Config:
             values[name] = parse_value(name, text)
         elif arg.endswith(".py"):
             for name, value in load_file(arg).items():
-                values[name] = check_type(name, value)
+                try:
+                    values[name] = check_type(name, value)
+                except ConfigError as e:  # (of several files given, say which)
+                    raise ConfigError(f"{arg}: {e}") from None
         else:
             raise ConfigError(f"'{arg}' is neither a config file (.py) nor a --name=value override")
     return validate(Config(**values))

@@ -24,8 +24,12 @@ def test_unknown_name_suggests_the_closest_valid_name(tmp_path):
         resolve(["--n_layers=4"])
     cfg_file = tmp_path / "typo.py"
     cfg_file.write_text("learnig_rate = 0.1\n")
-    with pytest.raises(ConfigError, match="'learnig_rate'.*'learning_rate'"):
+    with pytest.raises(ConfigError, match=f"^{cfg_file}: unknown config name 'learnig_rate'.*'learning_rate'"):
         resolve([str(cfg_file)])
+    cfg_file.write_text('batch_size = "4"\n')  # of two files given, the one at fault is named
+    (tmp_path / "good.py").write_text("batch_size = 4\n")
+    with pytest.raises(ConfigError, match=f"^{cfg_file}: config 'batch_size' must be int, got '4' \\(str\\)$"):
+        resolve([str(tmp_path / "good.py"), str(cfg_file)])
     for far in ("nproc", "nprocs"):  # a launcher's option: it suggested 'wandb_project'
         with pytest.raises(ConfigError, match=f"^unknown config name '{far}': see docs/config.md$"):
             resolve([f"--{far}=2"])
