@@ -250,6 +250,29 @@ def run_ranks(fn, world_size: int, *args):
                        nprocs=world_size, start_method="forkserver")
 
 
+def _saying(rank: int, world_size: int, fn, out: str, in_group: bool, args: tuple):
+    from errors import ConfigError
+    try:
+        if in_group:  # fn(rank, world, ...) inside a gloo group of its own
+            from collectives import process_group
+            from world import place
+            world = place("cpu", "float32", "gloo")
+            with process_group(world, 60):
+                said = fn(rank, world, *args)
+        else:
+            said = fn(rank, world_size, *args)
+    except ConfigError as e:
+        said = str(e)
+    (Path(out) / f"rank{rank}.txt").write_text(said)
+
+
+def ranks_say(fn, world_size: int, out, *args, in_group: bool = False) -> list[str]:
+    """run_ranks(fn): what each rank ended with, fn's return value or the ConfigError it raised (the one
+    line it would print), also in out/rankN.txt. in_group: fn(rank, world, *args) inside a process group."""
+    run_ranks(_saying, world_size, fn, str(out), in_group, args)
+    return [(Path(out) / f"rank{r}.txt").read_text() for r in range(world_size)]
+
+
 def _train_rank(rank: int, world_size: int, args: list, result_dir: Path, patch):
     import train
     from config import resolve

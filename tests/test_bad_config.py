@@ -25,7 +25,7 @@ import pretrained
 import world
 import train
 from config import Config, resolve
-from harness import REPO, child_env, free_port, python, run_ranks, tiny_args, train_py, without_log
+from harness import REPO, child_env, free_port, python, ranks_say, tiny_args, train_py, without_log
 
 
 @pytest.fixture
@@ -375,21 +375,17 @@ def test_train_spawn_exits_1_when_a_rank_is_killed_by_a_signal(char_data, tmp_pa
                                                     "to continue from the last checkpoint\n"), proc.stderr
 
 
-def _train_rank_recording_config_errors(rank, world_size, args, result_dir, damage_on_rank1=True, rank1_args=()):
+def _train_rank_recording_config_errors(rank, world_size, args, damage_on_rank1=True, rank1_args=()):
+    """ranks_say: train.main on each rank (rank1_args added on rank 1)."""
     import loader
     import train
     from config import resolve
-    from errors import ConfigError
     if rank == 1 and damage_on_rank1:  # this host's copy of the data turns out damaged once prepared
         def damaged(data_dir, meta):
             raise ValueError(f"{data_dir}/train.bin is damaged on rank 1's host")
         loader.check_token_files = damaged
-    try:
-        train.main(resolve([*args, *(rank1_args if rank == 1 else ())]))
-        message = "trained"
-    except ConfigError as e:
-        message = str(e)
-    (result_dir / f"rank{rank}.txt").write_text(message)
+    train.main(resolve([*args, *(rank1_args if rank == 1 else ())]))
+    return "trained"
 
 
 @pytest.mark.slow
@@ -400,7 +396,7 @@ def test_data_found_bad_after_preparing_on_one_host_stops_every_rank(char_data, 
     args = tiny_args(fresh, tmp_path / "out", prepare_input=char_data.parent / "input_text.txt",
                      dist_timeout=60)
     started = time.monotonic()
-    run_ranks(_train_rank_recording_config_errors, 2, args, tmp_path)
+    ranks_say(_train_rank_recording_config_errors, 2, tmp_path, args)
     assert time.monotonic() - started < 50
     assert (fresh / "meta.json").exists()
     assert (tmp_path / "rank1.txt").read_text() == f"{fresh}/train.bin is damaged on rank 1's host"
@@ -417,7 +413,7 @@ def test_a_prepare_that_fails_on_local_rank_0_stops_every_rank(tmp_path):
     fresh = tmp_path / "fresh"
     args = tiny_args(fresh, tmp_path / "out", prepare_input=latin1, dist_timeout=60)
     started = time.monotonic()
-    run_ranks(_train_rank_recording_config_errors, 2, args, tmp_path, False)
+    ranks_say(_train_rank_recording_config_errors, 2, tmp_path, args, False)
     assert time.monotonic() - started < 50
     assert (tmp_path / "rank0.txt").read_text() == (
         f"preparing shakespeare_char in {fresh} failed: input file {latin1} is not UTF-8 text "
@@ -431,8 +427,7 @@ def test_a_prepare_that_fails_on_local_rank_0_stops_every_rank(tmp_path):
 def test_an_out_dir_rank_0_cannot_write_stops_every_rank_before_training(char_data, tmp_path):
     taken = tmp_path / "a_file"
     taken.write_text("not a folder")
-    run_ranks(_train_rank_recording_config_errors, 2, tiny_args(char_data, taken, dist_timeout=60),
-              tmp_path, False)
+    ranks_say(_train_rank_recording_config_errors, 2, tmp_path, tiny_args(char_data, taken, dist_timeout=60), False)
     assert (tmp_path / "rank0.txt").read_text().startswith(f"out_dir {taken} cannot be written (")
     assert (tmp_path / "rank1.txt").read_text() == (tmp_path / "rank0.txt").read_text()  # rank 0's own words
     assert taken.read_text() == "not a folder"
@@ -442,8 +437,8 @@ def test_an_out_dir_rank_0_cannot_write_stops_every_rank_before_training(char_da
 def test_ranks_started_with_different_configs_all_stop_before_training(char_data, tmp_path):
     # each would train on alone (another learning rate), or fail in a collective that does not match
     rank1 = [f"--data_dir={char_data}/.", "--learning_rate=0.03", "--n_layer=3"]  # paths may differ
-    run_ranks(_train_rank_recording_config_errors, 2, tiny_args(char_data, tmp_path / "out", dist_timeout=60),
-              tmp_path, False, rank1)
+    ranks_say(_train_rank_recording_config_errors, 2, tmp_path, tiny_args(char_data, tmp_path / "out", dist_timeout=60),
+              False, rank1)
     line = ("rank 1 was started with n_layer=3 (rank 0: 2), learning_rate=0.03 (rank 0: 0.003): "
             "give every rank the same config")
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [line, line]
@@ -452,8 +447,8 @@ def test_ranks_started_with_different_configs_all_stop_before_training(char_data
     other = shutil.copytree(char_data, tmp_path / "other")
     meta = json.loads((other / "meta.json").read_text())
     (other / "meta.json").write_text(json.dumps({**meta, "chars": meta["chars"][::-1]}))
-    run_ranks(_train_rank_recording_config_errors, 2, tiny_args(char_data, tmp_path / "out", dist_timeout=60),
-              tmp_path, False, [f"--data_dir={other}"])
+    ranks_say(_train_rank_recording_config_errors, 2, tmp_path, tiny_args(char_data, tmp_path / "out", dist_timeout=60),
+              False, [f"--data_dir={other}"])
     line = (tmp_path / "rank1.txt").read_text()
     assert line.startswith("rank 1 was started with chars=") and line.endswith(
         "give every rank the same dataset (each host's data_dir)") and (tmp_path / "rank0.txt").read_text() == line

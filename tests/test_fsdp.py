@@ -14,7 +14,7 @@ import torch
 
 import train
 from config import resolve
-from harness import assert_close_runs, ckpt, max_diff, run_ranks, run_world, tiny_args
+from harness import assert_close_runs, ckpt, max_diff, ranks_say, run_ranks, run_world, tiny_args
 
 TOL = 1e-5  # the README's tolerance between launches
 STEPS = 6
@@ -236,21 +236,12 @@ def test_sharded_checkpoints_need_storage_every_rank_sees(char_data, tmp_path):
     assert not (out / "last.dcp").exists()
 
 
-def _check_own_folder(rank, world_size, folders, out):
-    """run_ranks: sharded.check_shared on this rank's own folder, folders[rank] (another host's disk
-    at the same path); what it raised, or "seen", in out/rankN.txt."""
+def _check_own_folder(rank, world, folders):
+    """ranks_say: sharded.check_shared on this rank's own folder, folders[rank] (another host's disk
+    at the same path)."""
     import sharded
-    from collectives import process_group
-    from errors import ConfigError
-    from world import place
-    world = place("cpu", "float32", "gloo")
-    with process_group(world, 60):
-        try:
-            sharded.check_shared(Path(folders[rank]), world, "to resume from it")
-            message = "seen"
-        except ConfigError as e:
-            message = str(e)
-    (Path(out) / f"rank{rank}.txt").write_text(message)
+    sharded.check_shared(Path(folders[rank]), world, "to resume from it")
+    return "seen"
 
 
 @pytest.mark.slow
@@ -261,8 +252,7 @@ def test_a_checkpoint_folder_of_the_same_name_but_other_content_is_not_rank_0s(t
     for r, folder in enumerate(folders):
         folder.mkdir(parents=True)
         (folder / "run.json").write_text(json.dumps({"step": 4 * (r + 1), "param_groups": []}))
-    run_ranks(_check_own_folder, 2, [str(f) for f in folders], str(tmp_path))
-    errors = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    errors = ranks_say(_check_own_folder, 2, tmp_path, [str(f) for f in folders], in_group=True)
     assert errors[0] == errors[1] and errors[0].startswith("rank 1 on "), errors
     assert f"does not see rank 0's {folders[0]} (to resume from it)" in errors[0]  # (not rank 1's path)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import REPO, child_env, metrics, run_ranks, tiny_args
+from harness import REPO, child_env, metrics, ranks_say, run_ranks, tiny_args
 
 transformers = pytest.importorskip("transformers")
 
@@ -346,14 +346,10 @@ def test_eval_py_under_torchrun_prints_the_one_process_line(hf_folder, hs_file):
     assert "2 processes" in shared.stdout
 
 
-def _eval_rank(rank, world_size, args, out):
+def _eval_rank(rank, world_size, args):
     import eval as eval_py
-    try:
-        eval_py.main(args[rank])
-        message = "scored"
-    except ConfigError as e:
-        message = str(e)
-    (out / f"rank{rank}.txt").write_text(message)
+    eval_py.main(args[rank])
+    return "scored"
 
 
 @pytest.mark.slow
@@ -366,26 +362,17 @@ def test_eval_py_ranks_started_with_different_arguments_all_stop(hf_folder, hs_f
     args = [[f"--init_from={hf_folder}", "--device=cpu", f"--hellaswag={hs_file}", f"--limit={5 + 5 * r}"]
             if differ == "limit" else [f"--init_from={hf_folder}", "--device=cpu", f"--hellaswag={path}"]
             for r, path in enumerate((hs_file, short))]
-    run_ranks(_eval_rank, 2, args, tmp_path)
-    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    lines = ranks_say(_eval_rank, 2, tmp_path, args)
     assert lines[0] == lines[1]
     assert re.fullmatch(re.escape("rank 1 was started with limit=10 (rank 0: 5): give every rank the same config")
                         if differ == "limit" else r"rank 1 was started with examples='\w+' \(rank 0: '\w+'\): give "
                         r"every rank the same HellaSwag file \(each host's --hellaswag\)", lines[0]), lines[0]
 
 
-def _load_rank(rank, world_size, paths, out):
+def _load_rank(rank, world, paths):
     """One rank of train.py's HellaSwag start-up, reading its host's copy: paths[rank]."""
-    from collectives import process_group
-    from world import place
-    world = place("cpu", "float32", "gloo")
-    with process_group(world, 60):
-        try:
-            hellaswag.load_on_every_rank(str(paths[rank]), {"tokenizer": "gpt2"}, 64, world)
-            message = "loaded"
-        except ConfigError as e:
-            message = str(e)
-    (out / f"rank{rank}.txt").write_text(message)
+    hellaswag.load_on_every_rank(str(paths[rank]), {"tokenizer": "gpt2"}, 64, world)
+    return "loaded"
 
 
 @pytest.mark.slow
@@ -399,8 +386,7 @@ def test_training_ranks_with_copies_differing_in_one_wrong_ending_all_stop(hs_fi
     example["endings"][wrong] = example["endings"][wrong] + " slowly"
     copy = tmp_path / "copy.jsonl"
     copy.write_text("".join(lines[:3] + [json.dumps(example) + "\n"] + lines[4:]))
-    run_ranks(_load_rank, 2, [hs_file, copy], tmp_path)
-    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    lines = ranks_say(_load_rank, 2, tmp_path, [hs_file, copy], in_group=True)
     assert lines[0] == lines[1]
     assert re.fullmatch(r"rank 1 was started with examples='\w+' \(rank 0: '\w+'\): give every rank the same "
                         r"HellaSwag file \(each host's hellaswag_path\)", lines[0]), lines[0]
