@@ -3,6 +3,7 @@
 Every other rank holds a Logger too, one that says nothing, so the loop has no rank branches.
 """
 
+import errno
 import json
 import sys
 import time
@@ -105,7 +106,8 @@ class Logger:
                 f"{cfg.tokens_per_step:,} = {cfg.global_batch_size} sequences x {cfg.block_size} tokens "
                 f"({cfg.batch_size} per micro-batch x {world.size} processes x {world.accum} accumulation steps)")
         if run.resumed_from:
-            log.say(f"resuming from {run.resumed_from} at step {run.step}")
+            log.say(f"resuming from {run.resumed_from} at step {run.step}" + (run.step >= cfg.max_iters) *
+                    f", max_iters={cfg.max_iters}: nothing is left to train (raise --max_iters to go on)")
         elif is_pretrained(cfg.init_from):
             log.say(f"weights from {cfg.init_from}: {run.model_args['n_layer']} layers, {run.model_args['n_head']} "
                     f"heads, {run.model_args['n_embd']} wide, positions cropped to {cfg.block_size}")
@@ -132,8 +134,9 @@ class Logger:
             else:
                 atomic_write_bytes(path, text.encode())
         except OSError as e:
-            self.failure = (f"could not write {path} ({e.strerror or e}): free disk space, then relaunch with "
-                            f"resume=auto (a line cut short is dropped)")
+            fix = "free disk space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "make it writable"
+            self.failure = f"could not write {path} ({e.strerror or e}): {fix}, then relaunch with resume=auto " \
+                           f"(a line cut short is dropped)"
 
     def _lost(self) -> bool:
         """Whether out_dir's run.lock no longer names this process: the folder was deleted, moved or

@@ -114,6 +114,14 @@ def test_a_last_pt_linked_to_nothing_is_reported_not_skipped(trained_copy, char_
         capsys.readouterr().err
 
 
+def test_a_resume_at_or_past_max_iters_says_nothing_is_left_to_train(trained_copy, char_data, capsys):
+    """It exited 0 with no word after "resuming from"."""
+    before = (trained_copy / "last.pt").read_bytes()
+    assert train_here(char_data, trained_copy, max_iters=5, eval_interval=5, resume="auto")["step"] == 10
+    assert "at step 10, max_iters=5: nothing is left to train (raise --max_iters to go on)" in capsys.readouterr().out
+    assert (trained_copy / "last.pt").read_bytes() == before
+
+
 @pytest.mark.parametrize("damage", ["bytes", "a link to itself"])
 def test_a_previous_pt_resumed_by_another_spelling_of_its_path_is_kept(trained_copy, char_data, damage):
     out = trained_copy

@@ -102,10 +102,11 @@ def test_a_log_or_checkpoint_cut_at_any_byte_never_blocks_a_resume(char_data, tm
     assert [r for r in rows if r["step"] <= 10] == [json.loads(line) for line in logged.splitlines()]  # step 10's too
 
 
-@pytest.mark.parametrize("lost, steps_run", [('"step": 4, "train_eval_loss"', 4),  # the save at 4 stops it
-                                              ('"step": 2, "loss"', 3)])  # the next step's agreement stops it
+@pytest.mark.parametrize("lost, steps_run, error, fix", [  # the save at 4 stops it; the next step's agreement does
+    ('"step": 4, "train_eval_loss"', 4, (28, "No space left on device"), "free disk space"),
+    ('"step": 2, "loss"', 3, (1, "Operation not permitted"), "make it writable")])  # chattr +i
 def test_a_log_line_that_could_not_be_written_stops_the_run_before_a_checkpoint_passes_it(
-        char_data, tmp_path, monkeypatch, lost, steps_run):
+        char_data, tmp_path, monkeypatch, lost, steps_run, error, fix):
     """A row of step 2 or 4 is lost (a disk full for a moment): a checkpoint of step 4 would make a resume
     start past it, and the log would lack it for good. The run stops instead, with no checkpoint past it."""
     import logger
@@ -124,11 +125,11 @@ def test_a_log_line_that_could_not_be_written_stops_the_run_before_a_checkpoint_
 
         def write(self, text):
             if text.startswith("{" + lost):
-                raise OSError(28, "No space left on device")
+                raise OSError(*error)
             return self.f.write(text)
     monkeypatch.setattr(logger, "open", lambda path, mode="r": FullForTheRow(real_open(path, mode)), raising=False)
-    with pytest.raises(LogNotWritten, match=r"could not write .*metrics\.jsonl \(No space left on device\): free "
-                                            r"disk space, then relaunch with resume=auto"):
+    with pytest.raises(LogNotWritten, match=rf"could not write .*metrics\.jsonl \({error[1]}\): {fix}, then "
+                                            r"relaunch with resume=auto"):
         train.main(resolve(tiny_args(char_data, tmp_path / "out", max_iters=8, eval_interval=4, log_interval=1)))
     assert not (tmp_path / "out" / "last.pt").exists() and len(calls) == steps_run
 
