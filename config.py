@@ -248,7 +248,7 @@ def resolve(args: list[str]) -> Config:
         if arg.startswith("--"):
             name, eq, text = arg[2:].partition("=")
             if not eq:
-                raise ConfigError(f"'{arg}': write overrides as --{name}=VALUE")
+                raise ConfigError(f"'{arg}': write overrides as --{name or 'name'}=VALUE")
             values[name] = parse_value(name, text)
         elif arg.endswith(".py"):
             for name, value in load_file(arg).items():

@@ -134,6 +134,7 @@ CASES = [
      r"config 'learning_rate' must be float, got '3e-3e' \(str\)"),
     ("unparseable bool", ["--compile=yes"], None, r"config 'compile' must be bool, got 'yes'"),
     ("override without a value", ["--n_layer"], None, r"write overrides as --n_layer=VALUE"),
+    ("a bare --", ["--"], None, r"'--': write overrides as --name=VALUE"),
     ("neither file nor override", ["n_layer=3"], None, r"neither a config file \(\.py\) nor"),
     ("legacy --local_rank without a number", ["--local_rank"], None,
      r"--local_rank needs a number, e\.g\. --local_rank=0, got ''"),
