@@ -1,9 +1,9 @@
 """Evaluate a checkpoint or GPT-2's weights: HellaSwag accuracy, and the loss on a dataset.
 
-    python eval.py --out_dir=out                         # best.pt (else last.pt) of a training run
+    python eval.py --out_dir=out-gpt-small               # best.pt (else last.pt) of a GPT-2 BPE run
     python eval.py --init_from=gpt2                      # OpenAI's GPT-2 124M (or a Hugging Face folder)
     python eval.py --init_from=gpt2 --limit=500          # a quick look: the first 500 examples
-    python eval.py --out_dir=out --hellaswag=hellaswag_val.jsonl --dataset=fineweb
+    python eval.py --out_dir=out-gpt-small --hellaswag=hellaswag_val.jsonl --dataset=fineweb
     torchrun --standalone --nproc_per_node=4 eval.py --init_from=gpt2-xl   # each rank a quarter
 
 HellaSwag's validation file comes from --hellaswag=PATH, else from the cache
