@@ -229,11 +229,12 @@ def load_meta(data_dir, fix: str = "") -> dict:
                     ("tokenizer", lambda v: v in ("char", "gpt2"))):
         if not ok(meta.get(key)):
             raise ValueError(f"{path}: {key} is {meta.get(key)!r}, which is missing or invalid: {again}")
-    if meta["tokenizer"] == "char" and not isinstance(meta.get("chars", ""), str):
-        raise ValueError(f"{path}: chars is {meta['chars']!r}, not the vocabulary's characters: {again}")
-    if meta["tokenizer"] == "char" and len(meta.get("chars", "")) != meta["vocab_size"]:
-        raise ValueError(f"{path}: a char vocabulary of {len(meta.get('chars', ''))} characters, but "
-                         f"vocab_size {meta['vocab_size']}: {again}")
+    chars = meta.get("chars", "")
+    if meta["tokenizer"] == "char" and (not isinstance(chars, str) or len(set(chars)) < len(chars)):
+        raise ValueError(f"{path}: chars is {chars!r:.80}, not the vocabulary's characters, each once: {again}")
+    if meta["tokenizer"] == "char" and len(chars) != meta["vocab_size"]:
+        raise ValueError(f"{path}: a char vocabulary of {len(chars)} characters, but vocab_size {meta['vocab_size']}: "
+                         f"{again}")
     if meta["tokenizer"] == "gpt2" and meta["vocab_size"] != GPT2_VOCAB_SIZE:
         raise ValueError(f"{path}: tokenizer gpt2, but vocab_size {meta['vocab_size']} (GPT-2's BPE has "
                          f"{GPT2_VOCAB_SIZE} tokens): {again}")

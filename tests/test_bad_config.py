@@ -209,6 +209,8 @@ CASES = [
      r"meta\.json: vocab_size is None, which is missing or invalid"),
     ("meta.json chars not text", [], lambda d, m: rewrite_meta(d, chars=123),
      r"meta\.json: chars is 123, not the vocabulary's characters"),
+    ("meta.json chars twice", [], lambda d, m: rewrite_meta(d, chars="a" + json.loads((d / "meta.json").read_text())[
+        "chars"][1:]), r"meta\.json: chars is 'a.*', not the vocabulary's characters, each once"),  # which one would 'a' be?
     ("meta.json chars disagree", [], lambda d, m: rewrite_meta(d, chars="abc"),
      r"meta\.json: a char vocabulary of 3 characters, but vocab_size"),
     ("meta.json gpt2 of another size", [], lambda d, m: rewrite_meta(d, tokenizer="gpt2"),
