@@ -34,7 +34,7 @@ class Config:
     eval_interval: int = 250                # optimizer steps between evals (and checkpoints)
     eval_iters: int = 20                    # eval windows per split = eval_iters x global_batch_size
     log_interval: int = 10                  # optimizer steps between train-loss logs
-    always_save_checkpoint: bool = True     # write last.pt at every eval, not only when val improves
+    always_save_checkpoint: bool = True     # write last at every eval, not only when val improves
     hellaswag_interval: int = 0             # optimizer steps between HellaSwag evals (and at the end); 0 = off
     hellaswag_path: str = ""                # a local hellaswag_val.jsonl; "" = the cached (or downloaded) copy
     seed: int = 1337                        # one seed; data order, init and each rank's dropout derive from it

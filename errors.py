@@ -1,9 +1,9 @@
 """What a user reads when a run cannot go on: two kinds of failure, and the long messages.
 
-ConfigError: a config, command-line, data or checkpoint problem, found before anything was
-trained; fix it and run again (exit status 2). RunError: the run started and failed (a lost
-peer, a diverged loss, a checkpoint that could not be written); last.pt holds the last good
-step (exit status 1). errors.reported prints either as one line starting with "error:".
+ConfigError: a config, command-line, data or checkpoint problem, found before training (or a bad
+token id, as it is read); fix it and run again (exit status 2). RunError: the run started and failed
+(a lost peer, a diverged loss, a checkpoint that could not be written); the last checkpoint holds
+the last good step (exit status 1). errors.reported prints either as one line starting with "error:".
 
 Messages longer than a line live here, each with the exception that carries it, so the code
 that raises them reads as control flow.

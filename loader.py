@@ -197,7 +197,7 @@ class Dataset:
 
     def ready(self, world) -> dict:
         """The checked meta on every rank. Each host's local rank 0 prepares missing data; every
-        rank takes part in both agreements (a host with data cannot know another lacks it), so
+        rank takes part in all three agreements (a host with data cannot know another lacks it), so
         a failure on one host (no shared disk) stops every rank, not only that host's."""
         error = None
         if self.meta is None and world.local_rank == 0 and not has_tokens(self.dir):

@@ -262,7 +262,7 @@ class GPT(nn.Module):
 
 def _sample(logits, temperature, top_k, generator):
     """Next token (B, 1) from last-position logits (B, V)."""
-    if temperature < torch.finfo(torch.float32).tiny:  # 0, or a temperature that is 0 in float32: greedy
+    if temperature < torch.finfo(torch.float32).tiny:  # 0, or below float32's smallest normal: greedy
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # <= 0: a tiny temperature cannot overflow

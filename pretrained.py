@@ -8,8 +8,8 @@ weights_only=True). transformers is not needed: safetensors reads the weights, h
 finds or fetches them, and gpt2_from_hf/gpt2_to_hf map the names. export() writes a checkpoint
 as such a folder, which transformers' GPT2LMHeadModel.from_pretrained loads.
 
-Under several processes rank 0 reads and the other ranks receive, as for a resume, so other
-hosts need no copy.
+Under several processes train.py's rank 0 reads and the other ranks receive, as for a resume, so
+other hosts need no copy (eval.py loads on every rank).
 """
 
 import functools

@@ -5,7 +5,7 @@
     python sample.py --out_dir=out --start=FILE:prompt.txt --temperature=0   # greedy
     python sample.py --init_from=gpt2 --start="The meaning of life is"     # OpenAI's weights
 
-Loads best.pt (else last.pt, also when best.pt is damaged) from out_dir with
+Loads best (else last, else previous, also when one is damaged; .pt or .dcp) from out_dir with
 weights_only=True and rebuilds the tokenizer from the meta.json that train.py
 saved beside it. The same --seed gives the same text. --temperature=0 picks
 the most likely token at every step (greedy); a negative temperature is an

@@ -214,7 +214,8 @@ def save_run(raw_model, optimizer, run_state: dict, out_dir: Path, best: bool, w
     optimizer's param_groups) into out_dir/.last.dcp.tmp; then rank 0 commits it (_commit). background
     (async_checkpoint): DCP copies the tensors now and writes them from a thread over world.save_group
     (a gloo group of its own, made at the first such save); returns a Background, which commits when
-    the write completes. Raises OSError on every rank when any rank failed."""
+    the write completes. Raises OSError on every rank when any rank's write failed (a failed commit:
+    on rank 0; the caller agrees)."""
     import torch.distributed.checkpoint as dcp  # imported when first used: it takes 0.7 s
     tensors, param_groups = parallel.sharded_state(raw_model, optimizer)
     run_state = dict(run_state, param_groups=param_groups)

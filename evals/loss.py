@@ -14,7 +14,7 @@ from world import World
 def val_loss(model, tokens: Tokens, starts: np.ndarray, block_size: int, batch_size: int, world: World, autocast,
              same_forwards: bool) -> float:
     """Mean loss over fixed windows split across ranks; sums are all-reduced, so every rank agrees.
-    same_forwards (FSDP): every rank runs as many forwards as rank 0 (eval.py calls it too)."""
+    same_forwards (FSDP): every rank runs as many forwards as rank 0."""
     model.eval()
     # (sum of token losses, token count, ranks that read a token id past the vocabulary)
     totals = torch.zeros(3, dtype=torch.float32 if world.device.type == "mps" else torch.float64,
