@@ -74,7 +74,7 @@ def windows_to_batch(tokens: Tokens, starts, block_size: int, device) -> tuple:
 
 
 class ShardedTokenLoader:
-    """Rank-strided, epoch-seeded batches of windows; resumable to the next batch."""
+    """Epoch-seeded batches of windows, the same micro-batches on any world size; resumable to the next batch."""
 
     def __init__(self, tokens: Tokens, block_size: int, batch_size: int, global_batch_size: int,
                  rank: int, world_size: int, seed: int, device="cpu"):
@@ -110,8 +110,8 @@ class ShardedTokenLoader:
 
     def rank_starts(self) -> np.ndarray:
         """Start offsets of this rank's next micro-batch (does not advance)."""
-        span = self.batch_size * self.world_size
-        return self.starts[self.position + self.rank:self.position + span:self.world_size]
+        first = self.position + self.rank * self.batch_size  # one process's micro-batch m x world_size + rank
+        return self.starts[first:first + self.batch_size]
 
     def next_batch(self) -> tuple:
         """This rank's next micro-batch (x, y); every rank advances past all ranks' windows."""
