@@ -2,10 +2,10 @@
 
 A split is one token file or many shards, end to end; no window crosses a shard end. An epoch
 cuts each shard into windows of block_size + 1 tokens at a stride of block_size from an offset
-drawn for that epoch, and shuffles them all by one permutation seeded by (seed, epoch). Like
-torch's DistributedSampler, rank r of W takes positions r, r+W, r+2W, ... of that order, and
-each optimizer step consumes the next global_batch_size positions, so 1 process with 4
-accumulation steps sees exactly the windows 4 processes with 1 step see. An epoch's tail too
+drawn for that epoch, and shuffles them all by one permutation seeded by (seed, epoch).
+Each optimizer step consumes the next global_batch_size positions of that order, a micro-batch
+of batch_size at a time, rank r of W taking the r-th of each W: 1 process with 4 accumulation
+steps sees exactly the micro-batches 4 processes with 1 step see. An epoch's tail too
 short for a whole step is dropped (a dataset smaller than one step makes each epoch of several
 passes). Memory: 8 bytes a window for the order; the tokens stay on disk until read.
 """
