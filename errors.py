@@ -18,6 +18,8 @@ import sys
 import traceback
 from contextlib import contextmanager
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # the errnos of a full disk, or of a full quota
+
 
 class ConfigError(ValueError):
     """A config problem the user can fix: the message says what and how."""
@@ -61,7 +63,7 @@ def reported(debug: bool = False, also: tuple = ()):
         sys.exit(128 + signal.SIGPIPE)
     except (ConfigError, RunError, KeyboardInterrupt, OSError, *also) as e:
         too_long = isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG  # a path no file system takes
-        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) and e.filename is None and \
+        full = isinstance(e, OSError) and e.errno in DISK_FULL and e.filename is None and \
             not isinstance(e, also)  # stdout's (the tools that write files list OSError in `also`, with a message)
         denied = isinstance(e, PermissionError) and e.filename is not None  # a mode or an owner: not a bug
         if isinstance(e, OSError) and not (too_long or full or denied or isinstance(e, also)):

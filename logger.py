@@ -3,7 +3,6 @@
 Every other rank holds a Logger too, one that says nothing, so the loop has no rank branches.
 """
 
-import errno
 import json
 import sys
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 
 from collectives import agree_or_raise, any_rank, first_error
 from data.files import atomic_write_bytes, holds_lock, parse_json
-from errors import LogNotWritten, first_line
+from errors import DISK_FULL, LogNotWritten, first_line
 
 
 def read_metrics(path: Path, verb: str) -> list:
@@ -134,7 +133,7 @@ class Logger:
             else:
                 atomic_write_bytes(path, text.encode())
         except OSError as e:
-            fix = "free disk space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "make it writable"
+            fix = "free disk space" if e.errno in DISK_FULL else "make it writable"
             self.failure = f"could not write {path} ({e.strerror or e}): {fix}, then relaunch with resume=auto " \
                            f"(a line cut short is dropped)"
 

@@ -15,6 +15,8 @@ import time
 import uuid
 from pathlib import Path
 
+from errors import DISK_FULL
+
 
 def cache_dir() -> Path:
     """Where downloads are kept between runs (the GPT-2 vocabulary, HellaSwag)."""
@@ -154,7 +156,7 @@ class preparing:
     def __exit__(self, kind, e, traceback):
         self.close()
         numpy = isinstance(e, OSError) and e.errno is None and "written" in str(e)  # tofile: "N requested, M written"
-        if numpy or isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if numpy or isinstance(e, OSError) and e.errno in DISK_FULL:
             raise OSError(errno.ENOSPC, f"{e.strerror or 'No space left on device'} for the dataset in {self.folder}"
                           f"{f' ({e})' * numpy}: free space there, then prepare again") from None
 

@@ -233,14 +233,14 @@ def read_progress(out_dir, settings: dict = None) -> dict:
 
 
 def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, workers: int,
-                 route: Callable[[int], str], split_of_shard: dict, settings: dict,
-                 counts: list = None) -> dict:
+                 route: Callable[[int], str], split_of_shard: dict, settings: dict, counts: list = None) -> dict:
     """Tokenize every document of `source` into shards; return the meta.json written. route(doc)
     names a document's stream, split_of_shard[stream](n) the split of its n-th shard. `settings`
     (whatever decides the output) must match to resume. `counts`: documents per file, if known."""
-    if not 1 <= shard_tokens < 2**31 or not 1 <= workers <= 4 * mp.cpu_count():  # a header's count is an int32
-        raise ValueError(f"--shard_tokens ({shard_tokens}) must be 1 to 2**31 - 1" if not 1 <= shard_tokens < 2**31
-                         else f"--workers ({workers}) must be 1 to 4 x this host's {mp.cpu_count()} cores")
+    if not 1 <= shard_tokens < 2**31:  # a header's count is an int32
+        raise ValueError(f"--shard_tokens ({shard_tokens}) must be 1 to 2**31 - 1")
+    if not 1 <= workers <= 4 * mp.cpu_count():
+        raise ValueError(f"--workers ({workers}) must be 1 to 4 x this host's {mp.cpu_count()} cores")
     gpt2_encoding(verbose=False)  # a bad vocabulary file is one line here, not in every worker
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
