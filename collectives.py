@@ -151,6 +151,12 @@ def _give_up(error: Exception):
 
 def _join(world, dist_timeout: float):
     """init_process_group, with a message that says what to check when peers never come."""
+    # Each binds dist.group.WORLD as a default argument when first imported (DDP imports the first through
+    # torch._dynamo; FSDP's float16 scaler is the second): imported once the group exists, they would hold
+    # it past destroy_process_group, and gloo's threads with it, which can abort the process at exit.
+    import torch.distributed.nn  # noqa: F401
+    if world.strategy == "fsdp":
+        import torch.distributed.fsdp.sharded_grad_scaler  # noqa: F401
     address = ":".join(os.environ.get(k, f"({k} unset)") for k in ("MASTER_ADDR", "MASTER_PORT"))
     timeout = timedelta(seconds=dist_timeout)
     # The store's handshake has no timeout: a program that accepts on MASTER_PORT and never
@@ -204,7 +210,10 @@ def process_group(world, dist_timeout: float):
             yield
     finally:
         if dist.is_initialized():
-            # DDP sits in reference cycles; if it outlives the group, gloo's threads can
-            # abort the process at exit ("terminate called without an active exception")
+            # A group that outlives destroy_process_group keeps gloo's threads, which can abort the
+            # process at exit ("terminate called without an active exception"): DDP holds it from
+            # reference cycles, and FSDP's mesh, which DTensor's caches keep, from its registry
             gc.collect()
+            if world.mesh is not None:
+                world.mesh._pg_registry.clear()
             dist.destroy_process_group()

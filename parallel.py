@@ -59,6 +59,7 @@ def shard(model, world: World, reshard: bool):
             o._timeout = world.timeout
         mesh = init_device_mesh(world.device.type, (groups, world.shard_size), mesh_dim_names=("replicate", "shard"),
                                 backend_override=options)
+    world.mesh = mesh
     # Compute in dtype; gradients are reduced in float32 and the sharded master weights stay
     # float32 (what the optimizer steps). autocast still runs the losses and norms in float32.
     mp = MixedPrecisionPolicy(param_dtype=None if world.dtype == torch.float32 else world.dtype,

@@ -44,6 +44,7 @@ class World:
     strategy: str = "ddp" # cfg.strategy; ddp on one process, where there is nothing to shard
     save_group: object = None  # async_checkpoint: a gloo group of its own for background writes
     timeout: object = None     # dist_timeout (a timedelta) for every group made after the first
+    mesh: object = None        # FSDP's DeviceMesh, whose groups collectives.process_group lets go of at the end
 
     @property
     def is_master(self) -> bool:

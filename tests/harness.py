@@ -281,7 +281,16 @@ def _train_rank(rank: int, world_size: int, args: list, result_dir: Path, patch)
     with open(Path(result_dir) / f"rank{rank}.log", "w") as log, \
             contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         result = train.main(resolve(args))
-    (Path(result_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+    (Path(result_dir) / f"rank{rank}.json").write_text(json.dumps({**result, "threads": thread_names()}))
+
+
+def thread_names() -> list[str]:
+    """This process's threads as the OS names them (Linux; gloo's workers are named pt_gloo_runloop)."""
+    names = []
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            names.append(comm.read_text().strip())
+    return names
 
 
 def run_world(world_size: int, args: list[str], result_dir: Path, patch=None) -> list[dict]:
@@ -294,7 +303,10 @@ def run_world(world_size: int, args: list[str], result_dir: Path, patch=None) ->
     result_dir = Path(result_dir)
     result_dir.mkdir(parents=True, exist_ok=True)
     run_ranks(_train_rank, world_size, args, result_dir, patch)
-    return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+    results = [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+    for rank, result in enumerate(results):  # gloo's threads end with the group, else one can abort the exit
+        assert not [t for t in result.pop("threads") if "gloo" in t], f"rank {rank} kept gloo's threads"
+    return results
 
 
 def shard_dataset(source: Path, folder: Path, parts=(0.5, 0.3, 0.2)) -> Path:

@@ -94,6 +94,7 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(char_data, tmp_path, 
 
 def _accumulate(rank, world_size, data_dir, out_file, variant):
     """Build the tiny model under DDP, run one step's micro-batches, save the gradients."""
+    import torch.distributed.nn  # noqa: F401  (before the group, as collectives._join does)
     dist.init_process_group("gloo")
     from loader import ShardedTokenLoader, Tokens
     from model import GPT, GPTConfig
