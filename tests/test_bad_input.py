@@ -5,6 +5,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 
 import pytest
@@ -19,11 +20,13 @@ from harness import small_disk, tiny_args, train_here
 from model import GPT
 
 
-@pytest.mark.parametrize("poisoned_at, says", [(6, "training loss is nan at step 7"),
-                                                # the step's eval sees it before its checkpoint is written
-                                                (8, "validation loss is nan at step 8")])
-def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint(char_data, tmp_path,
-                                                                                 monkeypatch, poisoned_at, says):
+@pytest.mark.parametrize("poisoned_at, stop, says", [(6, False, "training loss is nan at step 7"),
+                                                      # the step's eval sees it before its checkpoint is written
+                                                      (8, False, "validation loss is nan at step 8"),
+                                                      # a stop's checkpoint, off the eval steps: the save checks
+                                                      (6, True, "weights hold NaN or inf at step 6")])
+def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint(char_data, tmp_path, monkeypatch,
+                                                                                 poisoned_at, stop, says):
     # a hook outside train.py's loop: the optimizer's step `poisoned_at` leaves a NaN in the weights,
     # as an overflow would
     configure = GPT.configure_optimizers
@@ -38,6 +41,8 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoin
             if len(calls) == poisoned_at:
                 with torch.no_grad():
                     model.transformer.wte.weight[0, 0] = float("nan")
+                if stop:
+                    os.kill(os.getpid(), signal.SIGTERM)
             return result
 
         optimizer.step = poisoned_step
@@ -162,6 +167,9 @@ def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_prev
     assert [torch.load(out / f"{k}.pt", weights_only=True)["step"] for k in ("previous", "last")] == [5, 15]
 
 
+SCALER = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, _growth_tracker=0)
+
+
 @pytest.mark.parametrize("problem, message", [
     ("missing", "nothing to resume from"),
     ("random bytes", "cannot read checkpoint"),
@@ -185,6 +193,8 @@ def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_prev
     (lambda ck: ck["model"].update(extra=torch.zeros(1)), "model weight extra is missing, not this model's"),
     ({"val_loss": torch.tensor(1.0)}, "a value beside the tensors is not plain data"),  # broken JSON for rank 1
     ({"scaler": {"scale": "x"}}, "the scaler's state {'scale': 'x'} is not one"),  # float16: once a traceback
+    ({"scaler": {**SCALER, "scale": 0.0}}, "the scaler's state"),  # a float16 run would stall: no step is taken
+    ({"scaler": {**SCALER, "growth_interval": -1}}, "the scaler's state"),
     ({"hellaswag_step": 2.5}, "hellaswag_step 2.5 is not a whole number"),
     ({"log": [{"step": 0}]}, "log [{'step': 0}] is not metrics.jsonl's text"),  # would be written as the log
     ("fifo", "it is not a file"),  # once a hang

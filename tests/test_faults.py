@@ -6,6 +6,7 @@ tests/test_sample.py.)"""
 
 import json
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -72,14 +73,16 @@ def test_sigkill_inside_a_checkpoint_write_then_resume(char_data, tmp_path, unin
 
 @pytest.mark.slow
 def test_sigint_stops_a_single_process_at_a_step_with_a_checkpoint(char_data, tmp_path, uninterrupted):
-    proc = start(train_py(args_for(char_data, tmp_path)))
+    args = args_for(char_data, tmp_path, eval_interval=STEPS)  # a stop off the eval steps saves by itself
+    proc = start(train_py(args))
     wait_for_line(proc, "step 5:")
     proc.send_signal(signal.SIGINT)
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 128 + signal.SIGINT, out
     assert "stopped by SIGINT at step" in out and "Traceback" not in out
-    assert 5 <= ckpt(tmp_path)["step"] < STEPS
-    run(train_py(args_for(char_data, tmp_path)))
+    stopped = int(re.search(r"stopped by SIGINT at step (\d+)", out).group(1))
+    assert 5 <= ckpt(tmp_path)["step"] == stopped < STEPS  # the step it stopped at was saved
+    run(train_py(args))
     assert_same_weights(ckpt(tmp_path), uninterrupted)
 
 
@@ -181,6 +184,9 @@ def test_a_bad_token_id_anywhere_in_train_ends_every_rank_with_one_line(big_data
     if nproc == 1:
         assert proc.returncode == 2 and proc.stderr.strip() == errors[0]
     assert (tmp_path / "out" / "last.pt").read_bytes() == saved  # nothing was saved after the bad batch
+    # found where the bad window was read, in the first epoch, not by the end of the run's eval of train
+    epoch = json.loads((data / "meta.json").read_text())["train_tokens"] // (64 * 16)
+    assert max(map(int, re.findall(r"^step (\d+): loss", proc.stdout, re.M))) <= 10 + epoch + 10
 
 
 def test_a_bad_token_id_in_val_is_found_at_the_first_eval(big_data, tmp_path, script):

@@ -100,6 +100,12 @@ def test_a_log_or_checkpoint_cut_at_any_byte_never_blocks_a_resume(char_data, tm
     assert code == 0 and "warning: dropped 4 unreadable lines" in printed, err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r for r in rows if r["step"] <= 10] == [json.loads(line) for line in logged.splitlines()]  # step 10's too
+    # an older previous.pt (step 5), the log beside it running on to 10: the rows past 5 are the new run's, once each
+    out = shutil.copytree(older, tmp_path / "rolled back")
+    without_log(out, "previous.pt")
+    code, _, err = train_cli(capsys, char_data, out, max_iters=12, eval_interval=5, resume=str(out / "previous.pt"))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert code == 0 and [r["step"] for r in rows if "loss" in r] == list(range(1, 13)), err
 
 
 @pytest.mark.parametrize("lost, steps_run, error, fix", [  # the save at 4 stops it; the next step's agreement does
@@ -223,6 +229,25 @@ def test_an_impossible_model_is_refused_before_anything_is_allocated(char_data, 
     assert code == 2 and re.search(r"global_batch_size=1,000,000,000,000 needs at least 16,000\.0 GB per process for "
                                    r"the loader's window order, but this host has [\d,.]+ GB", one_error(err)), err
     assert time.time() - start < 30 and not (tmp_path / "out").exists()
+
+
+def test_the_memory_bound_counts_one_micro_batchs_logits_and_only_this_ranks_shard(monkeypatch):
+    """16 bytes a parameter (weights, gradients, AdamW's moments), divided among FSDP's shards, plus the
+    float32 logits of one micro-batch: a model that needs a byte more than the memory left is refused."""
+    from types import SimpleNamespace
+    import parallel
+    from world import World
+    model, cfg = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64), SimpleNamespace(
+        batch_size=8, block_size=64, global_batch_size=8)
+    state, logits = 16 * model.n_params, 4 * 8 * 64 * model.padded_vocab_size
+    for free, world, refused in [(state + logits - 1, World(), True), (state + logits, World(), False),
+                                 (state // 4 + logits, World(size=4, strategy="fsdp", shard_size=4), False),
+                                 (state // 4 + logits, World(size=4, strategy="fsdp", shard_size=2), True),  # HSDP
+                                 (state // 4 + logits, World(size=4, shard_size=4), True)]:  # DDP: whole
+        monkeypatch.setattr(parallel, "available_memory", lambda device, local_size, free=free: free)
+        problem = parallel.memory_problem(model, cfg, world)
+        assert (problem is not None) == refused, (free, world)
+        assert not refused or "GB of logits for batch_size=8" in problem
 
 
 class PeakBytes(TorchDispatchMode):

@@ -266,9 +266,13 @@ def test_a_background_save_that_fails_stops_the_run_at_the_next_log_step(char_da
     assert steps == [0, 1, 2, 3, 4, 5]  # saved at 4; step 6's agreement found the failure
 
 
-def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(char_data, sharded, tmp_path, script):
+def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(char_data, sharded, tmp_path, script, monkeypatch):
     """Killed while writing: .last.dcp.tmp is left and last.dcp untouched; killed between the
-    commit's renames: no last.dcp, but previous.dcp, which resume=auto takes."""
+    commit's renames: no last.dcp, but previous.dcp, which resume=auto takes. The commit's renames
+    are made durable: out_dir is fsync'd once last.dcp is in place."""
+    import sharded as module
+    synced = []
+    monkeypatch.setattr(module, "fsync_dir", lambda folder: synced.append((Path(folder) / "last.dcp").is_dir()))
     out = Path(shutil.copytree(sharded, tmp_path / "out"))
     shutil.copytree(out / "last.dcp", out / TMP)
     (out / TMP / ".metadata").unlink()
@@ -281,6 +285,7 @@ def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(char_data, sha
     assert f"removed {out / TMP}" in ran.stdout
     assert f"resuming from {out / 'previous.dcp'} at step 12" in ran.stdout
     assert ckpt(out, "last.dcp")["step"] == 16 and ckpt(out, "previous.dcp")["step"] == 12
+    assert synced and all(synced)  # (every save's commit)
 
 
 def test_a_sharded_checkpoint_of_another_shape_is_refused(char_data, sharded, tmp_path, script):

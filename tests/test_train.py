@@ -1,6 +1,7 @@
 """Single-process training in this pytest process: learning, exact resume, AMP."""
 
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,12 @@ from harness import EXPECTED_FILES, ckpt, metrics, python, train_here
 
 
 def test_single_process_run_lowers_val_loss(char_data, tmp_path):
-    train_here(char_data, tmp_path, max_iters=60, eval_interval=30, log_interval=10)
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    train_here(char_data, tmp_path, max_iters=60, eval_interval=30, log_interval=25)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # the run's are gone
     evals = [r for r in metrics(tmp_path) if "val_loss" in r]
     assert [r["step"] for r in evals] == [0, 30, 60]
+    assert [r["step"] for r in metrics(tmp_path) if "loss" in r] == [25, 50, 60]  # and the last step's
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5
     assert sorted(p.name for p in tmp_path.iterdir()) == EXPECTED_FILES
     saved = ckpt(tmp_path)
@@ -99,9 +103,8 @@ def test_without_always_save_an_eval_saves_when_it_improves_at_the_end_and_at_a_
         char_data, tmp_path, monkeypatch, stop_at):
     """always_save_checkpoint=False (configs/shakespeare_char.py): validation losses 5, 1, 3, 4 at steps
     0, 4, 8, 10. Step 4 improves (last and best); 8 does not (not saved), unless a stop ends the run
-    there; the last step is always saved. best.pt stays step 4's."""
+    there; the last step is always saved. best.pt stays step 4's, also after a resume from the stop."""
     import os
-    import signal
     import train
     losses, step = iter([5.0, 5.0, 1.0, 1.0, 3.0, 3.0, 4.0, 4.0]), train.optimizer_step  # (train, val) per eval
     monkeypatch.setattr(train, "val_loss", lambda *args: next(losses))
@@ -114,6 +117,10 @@ def test_without_always_save_an_eval_saves_when_it_improves_at_the_end_and_at_a_
     result = train_here(char_data, tmp_path, max_iters=10, eval_interval=4, always_save_checkpoint=False)
     assert (result["step"], result["stopped"]) == ((8, signal.SIGTERM) if stop_at else (10, 0))
     assert (ckpt(tmp_path)["step"], ckpt(tmp_path, "best.pt")["step"]) == (stop_at or 10, 4)
+    if stop_at:  # resumed: step 10's 4 does not improve on the best loss the checkpoint carries, step 4's 1
+        train_here(char_data, tmp_path, max_iters=10, eval_interval=4, always_save_checkpoint=False, resume="auto")
+        last = ckpt(tmp_path)
+        assert (last["step"], last["best_val_loss"], ckpt(tmp_path, "best.pt")["step"]) == (10, 1, 4)
 
 
 def test_the_gradient_norm_is_within_float32_rounding():
@@ -133,7 +140,7 @@ def test_the_gradient_norm_is_within_float32_rounding():
     assert parallel.clip_grad_norm(model, max_norm=0.01).item() == 0
 
 
-def test_weights_holding_a_nan_are_found_before_a_save():
+def test_all_finite_finds_a_nan_in_the_weights():
     import parallel
     from world import World
     model = torch.nn.Linear(2, 2)
@@ -143,13 +150,15 @@ def test_weights_holding_a_nan_are_found_before_a_save():
     assert not parallel.all_finite(model, World())
 
 
-def test_resume_auto_starts_fresh_then_resumes_with_this_runs_adamw_settings(char_data, tmp_path):
+def test_resume_auto_starts_fresh_then_resumes_with_this_runs_adamw_settings_and_dropout(char_data, tmp_path):
     result = train_here(char_data, tmp_path, max_iters=2, resume="auto")  # nothing to resume yet
     assert result["step"] == 2
-    # AdamW's settings changed on resume apply (the saved param_groups once overrode them silently)
-    train_here(char_data, tmp_path, max_iters=3, resume="auto", weight_decay=0.5, beta1=0.8, beta2=0.9)
+    # AdamW's settings changed on resume apply (the saved param_groups once overrode them silently);
+    # dropout is no part of the model's shape: it may change too (docs/resume.md)
+    train_here(char_data, tmp_path, max_iters=3, resume="auto", weight_decay=0.5, beta1=0.8, beta2=0.9, dropout=0.1)
     saved = ckpt(tmp_path)
     assert saved["step"] == 3 and [g["weight_decay"] for g in saved["optimizer"]["param_groups"]] == [0.5, 0.0]
+    assert saved["model_args"]["dropout"] == 0.1
     assert all(tuple(g["betas"]) == (0.8, 0.9) for g in saved["optimizer"]["param_groups"])
 
 
@@ -290,8 +299,6 @@ def test_the_ranks_agree_on_a_stop_about_every_2_seconds_and_every_slow_step(mon
     every 10 steps lost the stop's checkpoint. The cadence follows the step time (every rank
     gets it from the same all-reduce): every 10 quick steps, every slow one. A single process
     stops as soon as it is sent a signal, with no host sync per step."""
-    import signal
-
     import collectives
     from world import World
     clock = [0.0]
