@@ -14,6 +14,7 @@ move these numbers by 1e-2 or more. The models have no biases: the key bias has 
 true gradient, so Adam turns pure rounding noise there into whole-learning-rate steps.
 """
 
+import os
 import shutil
 from contextlib import nullcontext
 from pathlib import Path
@@ -90,6 +91,19 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(char_data, tmp_path, 
     run_world(2, args, tmp_path / "results", patch=_count_allreduces)
     counts = [int((tmp_path / f"allreduces.{r}").read_text()) for r in range(2)]
     assert counts == [3, 3]  # a 0.03M-parameter model fits one bucket: one call per step
+
+
+def test_ranks_on_one_host_share_its_cores(monkeypatch):
+    """Each CPU rank takes its share of the cores it may run on: more threads than cores would have
+    the ranks' threads wait on one another (set only when it changes: even the same count costs)."""
+    from world import World, use_device
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    for local_size in (2, 3, 8, 16):
+        use_device(World(local_size=local_size))
+    assert calls == [4, 2]  # 8 // 2 and 8 // 3; one thread each for 8 or 16 ranks, the count it has
 
 
 def _accumulate(rank, world_size, data_dir, out_file, variant):
