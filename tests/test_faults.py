@@ -73,8 +73,7 @@ def test_sigkill_inside_a_checkpoint_write_then_resume(char_data, tmp_path, unin
 
 @pytest.mark.slow
 def test_sigint_stops_a_single_process_at_a_step_with_a_checkpoint(char_data, tmp_path, uninterrupted):
-    args = args_for(char_data, tmp_path, eval_interval=STEPS)  # a stop off the eval steps saves by itself
-    proc = start(train_py(args))
+    proc = start(train_py(args_for(char_data, tmp_path)))
     wait_for_line(proc, "step 5:")
     proc.send_signal(signal.SIGINT)
     out = proc.communicate(timeout=60)[0]
@@ -82,7 +81,7 @@ def test_sigint_stops_a_single_process_at_a_step_with_a_checkpoint(char_data, tm
     assert "stopped by SIGINT at step" in out and "Traceback" not in out
     stopped = int(re.search(r"stopped by SIGINT at step (\d+)", out).group(1))
     assert 5 <= ckpt(tmp_path)["step"] == stopped < STEPS  # the step it stopped at was saved
-    run(train_py(args))
+    run(train_py(args_for(char_data, tmp_path)))
     assert_same_weights(ckpt(tmp_path), uninterrupted)
 
 
