@@ -1,7 +1,9 @@
 """Shared fixtures: the repo on sys.path, one thread per process, a small char dataset and a run
 trained on it, and scripts run in this process (tests/harness.py holds the helpers)."""
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,15 @@ def one_thread(monkeypatch):
     and two threads for a tiny model on a busy machine make each op wait for the other thread:
     in this process torch keeps the one thread pytest_configure set."""
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def child_tmpdir(tmp_path_factory):
+    """Child processes' temporary files (torchrun leaves a torchelastic_* folder at every launch) go
+    under pytest's temporary folder, which pytest prunes, not into /tmp for good. This process keeps
+    the temporary folder it already has (slurm_cluster.py clears stale clusters there)."""
+    tempfile.gettempdir()
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
 
 
 @pytest.fixture(scope="session")
