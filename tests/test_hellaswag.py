@@ -110,6 +110,9 @@ def test_acc_and_each_chosen_ending_match_a_transformers_reference(hf_folder, hs
     assert score.correct_norm == sum(m == label for _, m, label in expected)
     assert (score.examples, score.truncated) == (24, 0)
     assert score.correct != score.correct_norm  # the two criteria really differ here
+    model = pretrained.load_gpt(str(hf_folder))  # a batch smaller than one example's 4 endings: one example a forward
+    _, few = hellaswag.evaluate(model, examples[:3], World(), torch.autocast("cpu", enabled=False), batch_size=1)
+    assert few == {i: picks[i] for i in range(3)}
     # eval.py: its last line, exactly
     assert run_eval(["--init_from", hf_folder, "--hellaswag", hs_file], capsys)[-1] == score.line()
     read, write = os.pipe()  # a pipe is read as the file (--hellaswag=/dev/stdin once said "does not exist")
@@ -130,6 +133,8 @@ def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path
     assert max(len(row) for row in ex.rows) == 9
     fits = hellaswag.render("a b c d e f", ["m n", "o", "p q r", "s"], 2, enc.encode_ordinary, 8)
     assert not fits.truncated and fits.start == 6  # 6 + 3 tokens: the model reads 8, which fit
+    cut = hellaswag.render("a b c d e f", ["w " * 10, "x", "y", "z"], 0, enc.encode_ordinary, 4)
+    assert cut.start == 1 and max(map(len, cut.rows)) == 5  # one context token kept; the long ending is cut
     path = write_examples(tmp_path / "long.jsonl", 12, seed=1, ctx_words=(2, 40))
     examples = hellaswag.load(str(path), block_size=24)
     long = sum(len(enc.encode_ordinary(json.loads(line)["ctx"])) + max(len(enc.encode_ordinary(" " + e)) for e in
@@ -175,9 +180,16 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
     assert str(hellaswag.cache_path()) in error and "--hellaswag=PATH" in error and "hellaswag_path" in error
     assert "does not exist" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path / "nowhere.jsonl"], capsys)
     assert f"HellaSwag file {tmp_path} is a folder" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path], capsys)
-    for timeout in ("-1", "nan"):
-        error = fails(["--init_from", hf_folder, f"--dist_timeout={timeout}"], capsys)
-        assert "--dist_timeout must be positive seconds" in error
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    assert "blank.jsonl holds no examples" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path / "blank.jsonl"],
+                                                    capsys)
+    for bad, needle in [("--dist_timeout=-1", "--dist_timeout must be positive seconds"),
+                        ("--dist_timeout=nan", "--dist_timeout must be positive seconds"),
+                        ("--batch_size=0", "--batch_size must be positive, got 0"),
+                        ("--val_windows=0", "--val_windows must be positive, got 0"),
+                        ("--limit=-1", "--limit must be >= 0, got -1"),
+                        ("--dtype=float8", "--dtype must be auto, float32, bfloat16 or float16, got 'float8'")]:
+        assert needle in fails(["--init_from", hf_folder, bad], capsys)
     monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(tmp_path / "no.tiktoken"))  # was a traceback
     error = fails(["--init_from", hf_folder, "--hellaswag", hs_file], capsys)
     assert f"HellaSwag needs GPT-2's tokenizer: GPT-2 BPE file {tmp_path / 'no.tiktoken'}" in error

@@ -125,6 +125,20 @@ def test_eval_windows_are_fixed_and_spread(tmp_path):
     assert len(eval_starts(tokens(100), 16, 50)) == 6  # clamped to the windows that exist
 
 
+def test_the_eval_loss_runs_without_dropout_and_leaves_the_model_training(token_file):
+    from contextlib import nullcontext
+
+    from evals.loss import val_loss
+    from model import GPT, GPTConfig
+    from world import World
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=BLOCK, vocab_size=4000, dropout=0.5))
+    tokens = Tokens.file(token_file, "uint16")
+    loss = lambda: val_loss(model, tokens, eval_starts(tokens, BLOCK, 8), BLOCK, 4, World(), nullcontext(), False)
+    first = loss()
+    assert model.training and loss() == first  # no dropout mask: the same loss each time
+
+
 @pytest.mark.parametrize("bad", [65, 999])  # the first id past a vocabulary of 65, and one far past it
 def test_an_id_past_the_vocabulary_is_named_and_read_as_zero(tmp_path, bad):
     path = tmp_path / "train.bin"

@@ -413,6 +413,9 @@ def test_batched_generation_gives_each_row_its_own_tokens():
 
 def test_sample_init_from_missing_folder_is_one_line(tmp_path, fails_with):
     fails_with(["sample.py", f"--init_from={tmp_path / 'nothing'}"], "no Hugging Face GPT-2 model there")
+    (tmp_path / "half").mkdir()  # what `hf download gpt2 config.json` leaves: no weights
+    (tmp_path / "half" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    fails_with(["sample.py", f"--init_from={tmp_path / 'half'}"], "no Hugging Face GPT-2 model there")
     for tool in ("sample.py", "eval.py"):  # --out_dir was ignored without a word
         fails_with([tool, "--init_from=gpt2", "--out_dir=out"], "both name the model: give one")
 

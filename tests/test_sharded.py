@@ -122,6 +122,12 @@ def damage(kind: str, last: Path):
             metadata = _MetadataUnpickler(f).load()  # (DCP's classes only, as a resume reads it)
         metadata.storage_data = {k: 1 for k in metadata.storage_data}
         (last / ".metadata").write_bytes(pickle.dumps(metadata))
+    elif kind == "metadata naming a part by a number":  # (a path joined with it raised a TypeError)
+        with open(last / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        for info in metadata.storage_data.values():
+            info.relative_path = 7
+        (last / ".metadata").write_bytes(pickle.dumps(metadata))
     elif kind == "metadata garbage":
         (last / ".metadata").write_bytes(b"not a pickle")
     elif kind == "run.json of another shape":
@@ -140,6 +146,8 @@ def damage(kind: str, last: Path):
     ("metadata naming torch.save", "it names torch.save, which a sharded checkpoint of this repo never holds"),
     ("metadata garbage", "its metadata is damaged"),
     ("metadata of other types", "its metadata is damaged (AttributeError: 'int' object has no attribute"),
+    ("metadata naming a part by a number", "its metadata is damaged (ValueError: a tensor's entry is not a size, a "
+                                           "dtype and a file name)"),
     ("run.json of another shape", "run.json does not hold a run's state"),
 ])
 def test_a_bad_sharded_checkpoint_is_one_line_and_auto_falls_back_to_previous(

@@ -140,6 +140,19 @@ def test_the_gradient_norm_is_within_float32_rounding():
     assert parallel.clip_grad_norm(model, max_norm=0.01).item() == 0
 
 
+def test_throughput_counts_every_step_since_the_last_log(tmp_path, monkeypatch):
+    import json
+    from types import SimpleNamespace
+
+    import logger
+    from config import Config
+    clock = iter([100.0, 102.0, 102.0])  # the start, the log step 2 s later (and its clock restart)
+    monkeypatch.setattr(logger, "time", SimpleNamespace(time=lambda: next(clock)))
+    log = logger.Logger(Config(out_dir=str(tmp_path)), 10, None, True)
+    log.train_step(15, 2.0, 1e-3, None)
+    assert json.loads(log.lines[-1])["tokens_per_sec"] == 5 * 32 * 64 / 2  # 5 steps of 32 x 64 tokens in 2 s
+
+
 def test_all_finite_finds_a_nan_in_the_weights():
     import parallel
     from world import World
