@@ -14,7 +14,7 @@ import torch
 
 import train
 from config import resolve
-from harness import assert_close_runs, ckpt, max_diff, ranks_say, run_ranks, run_world, tiny_args
+from harness import assert_close_runs, ckpt, max_diff, no_temporaries, ranks_say, run_ranks, run_world, tiny_args
 
 TOL = 1e-5  # the README's tolerance between launches
 STEPS = 6
@@ -110,6 +110,7 @@ def test_fsdp_resume_is_exact_and_crosses_strategies_world_sizes_and_formats(cha
     sharded, logs = dict(strategy="fsdp", checkpoint_format="sharded", resume="auto"), tmp_path / "results"
     # sharded fsdp -> fsdp, same world: bit for bit against an uninterrupted (file-format) fsdp run
     run_world(2, args_for(char_data, tmp_path / "ff", **sharded, max_iters=STEPS // 2), logs)
+    assert no_temporaries(tmp_path / "ff")  # (nor the probe that found out_dir shared)
     for r in (0, 1):  # FSDP's warning for the padded logits' slice
         assert "returned a view tensor" not in (logs / f"rank{r}.log").read_text()
     run_world(2, args_for(char_data, tmp_path / "ff", **sharded), logs)

@@ -388,14 +388,19 @@ def _load_rank(rank, world, paths):
 
 
 @pytest.mark.slow
-def test_training_ranks_with_copies_differing_in_one_wrong_ending_all_stop(hs_file, tmp_path):
+@pytest.mark.parametrize("change", ["a wrong ending", "the label"])
+def test_training_ranks_with_copies_differing_in_one_example_all_stop(hs_file, tmp_path, change):
     """Rank 1's copy has as many examples, the same labels and right endings, one wrong ending
-    changed: its scores differ, and summed with rank 0's they are neither copy's. (The check once
-    digested the label's row alone, and train.py's start-up did not compare the copies at all.)"""
+    changed (or the same endings, one label changed): its scores differ, and summed with rank 0's
+    they are neither copy's. (The check once digested the label's row alone, and train.py's
+    start-up did not compare the copies at all.)"""
     lines = hs_file.read_text().splitlines(keepends=True)
     example = json.loads(lines[3])
     wrong = (example["label"] + 1) % 4
-    example["endings"][wrong] = example["endings"][wrong] + " slowly"
+    if change == "the label":
+        example["label"] = wrong
+    else:
+        example["endings"][wrong] = example["endings"][wrong] + " slowly"
     copy = tmp_path / "copy.jsonl"
     copy.write_text("".join(lines[:3] + [json.dumps(example) + "\n"] + lines[4:]))
     lines = ranks_say(_load_rank, 2, tmp_path, [hs_file, copy], in_group=True)

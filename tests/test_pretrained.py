@@ -178,8 +178,14 @@ def test_config_json_of_another_architecture_or_size_is_refused(tmp_path):
                             ({"n_positions": -5}, "holds n_positions=-5"), ({"vocab_size": 2.5}, "vocab_size=2.5"),
                             ({"n_layer": True}, "n_layer=True"), ({"n_head": 3}, "n_embd=32 with n_head=3"),
                             ({"n_inner": 64}, "its MLP is 4 x n_embd wide (n_inner null or 128)"),
-                            ({"tie_word_embeddings": False}, "tie_word_embeddings=False")):
-        (tmp_path / "config.json").write_text(json.dumps(change if isinstance(change, list) else {**config, **change}))
+                            ({"tie_word_embeddings": False}, "tie_word_embeddings=False"),
+                            ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon=1e-06"),
+                            ({"scale_attn_weights": False}, "scale_attn_weights=False"),
+                            ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
+                            ({"add_cross_attention": True}, "add_cross_attention=True"),
+                            ({"model_type": None}, "model_type=None")):  # (None: the key left out)
+        (tmp_path / "config.json").write_text(json.dumps(change if isinstance(change, list) else {
+            k: v for k, v in {**config, **change}.items() if v is not None}))
         with pytest.raises(ConfigError, match=re.escape(message)):
             pretrained.read_shape(tmp_path)
 
@@ -324,6 +330,7 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data, trai
     ours.eval()
     x = ids(n=32)
     assert hf.config.vocab_size == 50257 and hf.config.n_positions == 32
+    assert hf.config.bos_token_id == hf.config.eos_token_id == 50256  # GPT-2 BPE's end of text
     assert (full_logits(ours, x) - hf_logits(hf, x)).abs().max().item() < 1e-5
     # and back in: the exported folder is a valid init_from
     again = pretrained.load_gpt(str(tmp_path / "hf"))

@@ -278,13 +278,26 @@ def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script,
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1
     assert not list(out.glob("*.bin")) and not (out / "meta.json").exists()
-    if "short" in message:  # a shard past what its header can count: refused before a buffer is made
+    if "gives no train shard" in message:  # (one case): a shard past what its header counts, refused before a buffer
         proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--shard_tokens=3000000000")
         assert proc.returncode == 2 and "must be 1 to 2**31 - 1" in proc.stderr, proc.stderr
         for workers in (0, 100_000):  # not all the cores; not processes started one by one for minutes
             proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", f"--workers={workers}")
             assert proc.returncode == 2 and proc.stderr.startswith(f"error: --workers ({workers}) must be 1 to 4 x this "
                                                                    f"host's"), proc.stderr  # (not both options)
+
+
+def test_blank_jsonl_lines_are_skipped_and_a_null_parquet_text_is_an_empty_document(tmp_path, script):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.jsonl").write_text('{"text": "a b"}\n\n{"text": "c"}\n\n')
+    pq.write_table(pa.table({"text": ["d", None]}), tmp_path / "corpus" / "b.parquet")
+    out = tmp_path / "out"
+    proc = script("data/fineweb/prepare.py", f"--input={tmp_path}/corpus/*", f"--out_dir={out}", "--shard_tokens=2",
+                  "--workers=1")
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["documents"] == 4 and np.array_equal(shard_tokens(out, meta["shards"]["val"] + meta["shards"]["train"]),
+                                                     encoded(["a b", "c", "d", ""]))
 
 
 def test_a_tokenizing_worker_leaves_ctrl_c_to_the_main_process(monkeypatch):
@@ -407,6 +420,20 @@ def bad_length(d):
         f.write(b"\0\0")  # one token more than the header says
 
 
+def listing(d, val=None):
+    """A meta.json listing the folder's shards (`val` in place of its val shard)."""
+    val = [{"file": "x_val_000000.bin", "tokens": 3000}] if val is None else val
+    shards = {"train": [{"file": "x_train_000001.bin", "tokens": 5000}], "val": val}
+    (d / "meta.json").write_text(json.dumps({**MISCOUNTED, "train_tokens": 5000, "shards": shards,
+                                             "val_tokens": sum(e["tokens"] for e in val)}))
+
+
+def seventeen_train_shards(d):
+    """more shards than the 16 windows sampled: each still gets one (its first 4096 tokens)"""
+    for i in range(2, 18):
+        write_llm_c_shard(d / f"x_train_{i:06d}.bin", [60000] * (i == 17) + [1] * 100)
+
+
 def a_pipe_named_as_a_shard(d):
     """(its header read waited for a writer forever; this writer makes such a regression fail, not hang)"""
     os.mkfifo(d / "x_train_000002.bin")
@@ -426,6 +453,16 @@ def a_pipe_named_as_a_shard(d):
      "x_train_000001.bin: magic number 12345 is not a token shard's"),
     (lambda d: write_llm_c_shard(d / "x_train_000001.bin", np.full(5000, 60000)),  # another tokenizer's ids
      "is >= vocab_size 50257: shards without a meta.json are read as GPT-2 BPE tokens, and these are not"),
+    (lambda d: write_llm_c_shard(d / "x_train_000001.bin", np.arange(5000), version=7),
+     "x_train_000001.bin: version 7 with magic 20240520, expected 1"),
+    (seventeen_train_shards, "x_train_000017.bin: token id 60000 at position 0 is >= vocab_size 50257"),
+    (lambda d: listing(d) or write_llm_c_shard(d / "x_train_000001.bin", np.arange(5000), magic=20240801, version=7,
+                                               dtype=np.uint32),
+     "x_train_000001.bin holds uint32 tokens, but the dataset is uint16: shards of mixed dtypes"),
+    (lambda d: listing(d, val=[]), "meta.json: the val split has no shard"),
+    (lambda d: write_llm_c_shard(d.parent / "outside_val.bin", np.arange(3000)) or
+     listing(d, val=[{"file": "../outside_val.bin", "tokens": 3000}]),  # a name, not a path outside data_dir
+     "meta.json: a val shard entry is not {'file': NAME, 'tokens': COUNT}: {'file': '../outside_val.bin'"),
 ])
 def test_broken_shards_are_one_line_errors_before_training(tmp_path, capsys, make, message):
     data = tmp_path / "data"
