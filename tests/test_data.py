@@ -111,6 +111,22 @@ def test_an_atomic_write_that_cannot_be_renamed_leaves_no_temporary(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["x.pt"]
 
 
+def test_where_hard_links_fail_a_copy_is_made_and_a_full_disk_is_named(tmp_path, monkeypatch):
+    from data.files import disk_full, link_or_copy
+    (tmp_path / "last.pt").write_bytes(b"weights")
+    monkeypatch.setattr(os, "link", lambda src, dst: (_ for _ in ()).throw(PermissionError(1, "Operation not "
+                                                                                            "permitted")))
+    link_or_copy(tmp_path / "last.pt", tmp_path / "best.pt")  # (a file system without hard links)
+    assert (tmp_path / "best.pt").read_bytes() == b"weights" and sorted(os.listdir(tmp_path)) == ["best.pt", "last.pt"]
+    # torch's zip writer cut short is a full disk only when too little is free; numpy's tofile says so its way
+    assert disk_full(RuntimeError("unexpected pos 64 vs 32"), tmp_path, need=1) is None
+    assert disk_full(RuntimeError("unexpected pos 64 vs 32"), tmp_path, need=2**62).startswith("No space left")
+    with pytest.raises(OSError, match=f"No space left on device for the dataset in {tmp_path} \\(8 requested and 0 "
+                                      f"written\\): free space there"):
+        with preparing(tmp_path):
+            raise OSError("8 requested and 0 written")
+
+
 def test_a_run_lock_is_this_runs_only_when_it_names_this_host_and_this_pid(tmp_path):
     """A run on another host with the same pid (its own container's pid 1, say) holds the lock too."""
     import socket
@@ -248,9 +264,9 @@ def test_corpus_falls_back_to_the_package_index_and_is_cached(tmp_path, monkeypa
 def test_a_preparation_removes_only_the_temporaries_a_killed_one_left(tmp_path, monkeypatch):
     """Ours go (write_temp's, link_or_copy's, a sharded save's folder); a user's .notes.tmp folder and
     .draft.tmp file stay (every .*.tmp was deleted once). A folder that cannot be locked (NFS): nothing goes."""
-    ours = [".train.bin.0123456789ab.tmp", ".previous.pt.4242.tmp", ".last.dcp.tmp"]
+    ours = [".train.bin.0123456789ab.tmp", ".previous.pt.4242.tmp", ".last.dcp.tmp", ".last.dcp.old.tmp"]
     for name in ours:
-        (tmp_path / name).mkdir() if name.endswith("dcp.tmp") else (tmp_path / name).write_bytes(b"left by a kill")
+        (tmp_path / name).mkdir() if "dcp" in name else (tmp_path / name).write_bytes(b"left by a kill")
     (tmp_path / ".notes.tmp").mkdir()
     (tmp_path / ".notes.tmp" / "keep.txt").write_text("mine")
     (tmp_path / ".draft.tmp").write_text("mine too")
