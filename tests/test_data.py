@@ -173,6 +173,23 @@ def test_gpt2_encoding_rejects_a_wrong_vocabulary_file(tmp_path, monkeypatch):
             gpt2_encoding()
 
 
+def test_a_damaged_local_vocabulary_is_skipped_and_the_fallback_download_cached(tmp_path, monkeypatch, capsys):
+    import tiktoken
+    good, damaged = tokenizers.REPO_COPY.read_bytes(), tmp_path / "damaged.tiktoken"
+    damaged.write_bytes(good[:-10])
+    monkeypatch.setattr(tokenizers, "REPO_COPY", damaged)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("GPT2_TIKTOKEN_FILE", raising=False)
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: (_ for _ in ()).throw(OSError("offline")))
+    monkeypatch.setattr(tokenizers, "_gpt2_bpe_from_whisper", lambda: good)  # (pip download, in the real world)
+    assert gpt2_encoding().encode("hello world") == [31373, 995]
+    out = capsys.readouterr()
+    assert f"note: ignoring {damaged}" in out.out and "sdist via pip download" in out.err
+    assert tokenizers.gpt2_cache_path().read_bytes() == good
+    assert gpt2_encoding().encode("hello world") == [31373, 995]  # the next time: the damaged copy skipped, the cache
+    assert f"gpt2 tokenizer: local file {tokenizers.gpt2_cache_path()}" in capsys.readouterr().err
+
+
 def test_chunked_encoding_equals_whole_text_encoding():
     import tiktoken
     from tiktoken_ext.openai_public import r50k_pat_str

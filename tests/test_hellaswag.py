@@ -204,6 +204,11 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
     monkeypatch.setattr(hellaswag.urllib.request, "urlopen", Response)
     assert "git blob id" in fails(["--init_from", hf_folder], capsys)
     assert not hellaswag.cache_path().exists()
+    monkeypatch.setattr(hellaswag, "GIT_BLOB_SHA1", hellaswag.git_blob_sha1(hs_file.read_bytes()))  # now the official
+    downloads = []
+    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", lambda *a, **k: downloads.append(a) or Response())
+    assert hellaswag.locate() == hellaswag.cache_path() == hellaswag.locate() and len(downloads) == 1  # then cached
+    assert hellaswag.cache_path().read_bytes() == hs_file.read_bytes()
 
 
 # --- in training ---------------------------------------------------------------------------

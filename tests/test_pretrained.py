@@ -4,6 +4,7 @@ Offline: the "GPT-2" here is a randomly initialised transformers GPT2LMHeadModel
 vocabulary, saved into a temporary folder, never the released weights."""
 
 import json
+import os
 import re
 import shutil
 
@@ -256,6 +257,10 @@ def test_config_that_cannot_load_the_weights_is_one_line(tmp_path, bpe_data, hf_
     args = tiny_finetune(bpe_data, tmp_path / "out", hf_folder, max_iters=0, **override)
     if needle is None:
         assert "32 wide" in train(args).stdout
+        # out_dir holds a run from scratch of this config's shape: not resumed as if it were the folder's
+        train(tiny_finetune(bpe_data, tmp_path / "mixed", "scratch", max_iters=1, eval_interval=1, **override))
+        fails_with(["train.py", *tiny_finetune(bpe_data, tmp_path / "mixed", hf_folder, resume="auto", **override)],
+                   "holds another model shape (checkpoint, now): {'n_embd': (64, 32)}")
     else:
         fails_with(["train.py", *args], needle)
 
@@ -320,9 +325,12 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data, trai
     out = tmp_path / "out"
     train(tiny_args(bpe_data, out, dataset="shakespeare", max_iters=3, eval_interval=3, bias=False,
                     pad_vocab_to=64, block_size=32))
+    synced = []  # what the folder held at each fsync of it
+    monkeypatch.setattr(pretrained, "fsync_dir", lambda d: synced.append(sorted(os.listdir(d))))
     proc = script("scripts/export_hf.py", f"--out_dir={out}", f"--to={tmp_path / 'hf'}")
     assert proc.returncode == 0, proc.stderr
     assert "model.safetensors" in proc.stdout and "vocab.json" in proc.stdout
+    assert synced == [sorted(os.listdir(tmp_path / "hf"))]  # the moves in made durable, once all were made
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     ckpt = checkpoint.read(out / "best.pt")
     ours = GPT(GPTConfig(**ckpt["model_args"]))
