@@ -347,6 +347,9 @@ def test_large_vocabularies_are_stored_as_uint32(tmp_path):
                                                             "source": {}})
     assert meta["dtype"] == "uint32" and json.loads((tmp_path / "meta.json").read_text()) == meta
     assert np.fromfile(tmp_path / "train.bin", dtype=np.uint32).tolist() == [70_000, 1]
+    for vocab, dtype in ((65_536, "uint16"), (65_537, "uint32")):  # ids 0 to 65535 fit 16 bits; 65536 does not
+        assert write_dataset(tmp_path / str(vocab), [vocab - 1], [0], {"vocab_size": vocab, "tokenizer": "gpt2",
+                                                                        "source": {}})["dtype"] == dtype
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_before_anything_is_written(tmp_path):

@@ -161,6 +161,7 @@ def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path
     ('{"ctx": " ", "endings": ["b", "c", "d", "e"], "label": 0}', "ctx must be a non-empty string"),  # blank
     ('{"ctx": "a", "endings": ["b", "c", "d"], "label": 0}', "endings must be a list of 4 strings, got 3 items"),
     ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 4}', "label must be 0, 1, 2 or 3"),
+    ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": true}', "label must be 0, 1, 2 or 3"),  # not 1
     ('["a", "b"]', "is not a JSON object"),
     (b'{"ctx": "\xff"}', "is not UTF-8 text (invalid start byte at byte 9 of the line)"),  # once the byte of a chunk
 ])
