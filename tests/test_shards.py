@@ -136,6 +136,13 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
         assert full.returncode == 2 and full.stderr == (f"error: [Errno 28] No space left on device for the dataset in "
                                                         f"{disk / 'out'}: free space there, then prepare again\n")
         shutil.copytree(disk / "out", tmp_path / "moved")
+    # what it wrote is taken up only with the same settings, and only while each shard is as written
+    other = prepare("fineweb", *args[:-2], "--shard_tokens=4000", "--workers=1", f"--out_dir={tmp_path / 'moved'}")
+    assert other.returncode == 2 and "holds an interrupted prepare with other settings" in other.stderr, other.stderr
+    cut = Path(shutil.copytree(tmp_path / "moved", tmp_path / "cut"))
+    next(cut.glob("*_000001.bin")).unlink()
+    gone = prepare("fineweb", *args, f"--out_dir={cut}")
+    assert gone.returncode == 2 and "_000001.bin is missing or changed since it was written" in gone.stderr, gone.stderr
     resumed = prepare("fineweb", *args, f"--out_dir={tmp_path / 'moved'}")
     assert resumed.returncode == 0 and "resuming: " in resumed.stdout, resumed.stderr
     assert {p.name: p.read_bytes() for p in (tmp_path / "moved").iterdir()} == straight
