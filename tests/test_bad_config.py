@@ -68,11 +68,6 @@ def rewrite_meta(data, **changes):
     (data / "meta.json").write_text(json.dumps(meta))
 
 
-def truncate(path, size):
-    with open(path, "r+b") as f:
-        f.truncate(size)
-
-
 def put_token(data, split, position, value):
     tokens = np.memmap(data / f"{split}.bin", dtype=np.uint16, mode="r+")
     tokens[position] = value
@@ -182,7 +177,7 @@ CASES = [
     ("block_size longer than val", ["--block_size=7000"], None,
      r"block_size \(7000\) is too long for the val split of .* \(6,002 tokens; it needs 7,001\)"),
     ("block_size too long for train", [],  # a window may start at any offset: two blocks at least
-     lambda d, m: (truncate(d / "train.bin", 2 * 31), rewrite_meta(d, train_tokens=31)),
+     lambda d, m: (os.truncate(d / "train.bin", 2 * 31), rewrite_meta(d, train_tokens=31)),
      r"block_size \(16\) is too long for the train split of .* \(31 tokens; it needs 32\)"),
     ("resume required and forbidden", ["--init_from=resume", "--resume=never"], None,
      r"init_from='resume' needs a checkpoint but resume='never' forbids one"),

@@ -100,11 +100,9 @@ def damage(kind: str, last: Path):
     elif kind == "a rank's part missing":
         (last / "__0_0.distcp").unlink()
     elif kind == "a part cut short":
-        with open(last / "__0_0.distcp", "r+b") as f:
-            f.truncate(1000)
+        os.truncate(last / "__0_0.distcp", 1000)
     elif kind == "a part one byte short":  # its last tensor's last byte gone
-        with open(last / "__0_0.distcp", "r+b") as f:
-            f.truncate(f.seek(0, os.SEEK_END) - 1)
+        os.truncate(last / "__0_0.distcp", (last / "__0_0.distcp").stat().st_size - 1)
     elif kind == "a part's data zeroed":  # complete by its size: only reading its tensors finds it
         (last / "__0_0.distcp").write_bytes(bytes((last / "__0_0.distcp").stat().st_size))
     elif kind == "a bit flipped in a part":  # its tensors load: only their CRC-32 tells
@@ -117,16 +115,14 @@ def damage(kind: str, last: Path):
         (last / ".metadata").write_bytes(b"\x80\x04\x8c\x05torch\x94\x8c\x08hub.load\x94\x93\x94.")
     elif kind == "metadata naming torch.save":
         (last / ".metadata").write_bytes(b"\x80\x04\x8c\x05torch\x94\x8c\x04save\x94\x93\x94.")
-    elif kind == "metadata of other types":  # DCP's own classes, holding what they never hold
+    elif kind in ("metadata of other types", "metadata naming a part by a number"):  # DCP's classes, other values
         with open(last / ".metadata", "rb") as f:
             metadata = _MetadataUnpickler(f).load()  # (DCP's classes only, as a resume reads it)
-        metadata.storage_data = {k: 1 for k in metadata.storage_data}
-        (last / ".metadata").write_bytes(pickle.dumps(metadata))
-    elif kind == "metadata naming a part by a number":  # (a path joined with it raised a TypeError)
-        with open(last / ".metadata", "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        for info in metadata.storage_data.values():
-            info.relative_path = 7
+        if kind == "metadata of other types":
+            metadata.storage_data = {k: 1 for k in metadata.storage_data}
+        else:  # (a path joined with a number raised a TypeError)
+            for info in metadata.storage_data.values():
+                info.relative_path = 7
         (last / ".metadata").write_bytes(pickle.dumps(metadata))
     elif kind == "metadata garbage":
         (last / ".metadata").write_bytes(b"not a pickle")
