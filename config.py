@@ -100,6 +100,8 @@ class Config:
 FIELD_TYPES = typing.get_type_hints(Config)
 PER_HOST = ("out_dir", "data_dir", "prepare_input", "hellaswag_path", "device")  # may differ between ranks
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+LAUNCHER_OPTIONS = {"nproc", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "standalone",
+                    "rdzv_backend", "rdzv_endpoint", "rdzv_id", "max_restarts"}  # torchrun's, train_spawn.py's
 CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "backend": ("auto", "gloo", "nccl", "mpi"),
@@ -118,6 +120,9 @@ def _allowed(name: str) -> tuple:
     if name not in FIELD_TYPES:
         close = difflib.get_close_matches(name, list(FIELD_TYPES), n=1, cutoff=0.6)  # (0.5: nproc, wandb_project)
         hint = f"did you mean '{close[0]}'?" if close else "see docs/config.md"
+        if name.replace("-", "_") in LAUNCHER_OPTIONS:
+            hint = ("it is a launcher's option: for N processes run python train_spawn.py --nproc=N ... "
+                    "or torchrun --nproc_per_node=N train.py ...")
         raise ConfigError(f"unknown config name {_show(name)}: {hint}")
     return typing.get_args(FIELD_TYPES[name]) or (FIELD_TYPES[name],)
 
@@ -247,7 +252,7 @@ def resolve(args: list[str]) -> Config:
     for arg in args:
         if arg.startswith("--"):
             name, eq, text = arg[2:].partition("=")
-            if not eq:
+            if not eq and (name in FIELD_TYPES or not name):  # (an unknown name is said to be one, below)
                 raise ConfigError(f"'{arg}': write overrides as --{name or 'name'}=VALUE")
             values[name] = parse_value(name, text)
         elif arg.endswith(".py"):

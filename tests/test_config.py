@@ -30,9 +30,15 @@ def test_unknown_name_suggests_the_closest_valid_name(tmp_path):
     (tmp_path / "good.py").write_text("batch_size = 4\n")
     with pytest.raises(ConfigError, match=f"^{cfg_file}: config 'batch_size' must be int, got '4' \\(str\\)$"):
         resolve([str(tmp_path / "good.py"), str(cfg_file)])
-    for far in ("nproc", "nprocs"):  # a launcher's option: it suggested 'wandb_project'
-        with pytest.raises(ConfigError, match=f"^unknown config name '{far}': see docs/config.md$"):
-            resolve([f"--{far}=2"])
+    with pytest.raises(ConfigError, match="^unknown config name 'nprocs': see docs/config.md$"):  # not wandb_project
+        resolve(["--nprocs=2"])
+    # a launcher's option given to train.py (with or without a value): the launchers that take it
+    for arg in ("--nproc=2", "--nproc-per-node=4", "--standalone", "--rdzv-endpoint=HOST_A:29500"):
+        with pytest.raises(ConfigError, match=f"^unknown config name '{arg[2:].partition('=')[0]}': it is a "
+                                              f"launcher's option: .* train_spawn.py --nproc=N .* torchrun "):
+            resolve([arg, "--n_layer=2"])
+    with pytest.raises(ConfigError, match="^unknown config name 'n_layers': did you mean 'n_layer'"):
+        resolve(["--n_layers"])  # (not "write overrides as --n_layers=VALUE")
 
 
 @pytest.mark.parametrize("arg, expected", [
