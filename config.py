@@ -100,8 +100,16 @@ class Config:
 FIELD_TYPES = typing.get_type_hints(Config)
 PER_HOST = ("out_dir", "data_dir", "prepare_input", "hellaswag_path", "device")  # may differ between ranks
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-LAUNCHER_OPTIONS = {"nproc", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "standalone",
-                    "rdzv_backend", "rdzv_endpoint", "rdzv_id", "max_restarts"}  # torchrun's, train_spawn.py's
+ELSEWHERE = {  # names the launchers or nanoGPT take, and what does their job here
+    **dict.fromkeys(("nproc", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "standalone",
+                     "rdzv_backend", "rdzv_endpoint", "rdzv_id", "max_restarts"),
+                    "it is a launcher's option: for N processes run python train_spawn.py --nproc=N ... "
+                    "or torchrun --nproc_per_node=N train.py ..."),
+    "gradient_accumulation_steps": "set global_batch_size instead (sequences per optimizer step): the micro-steps "
+                                   "are global_batch_size / (batch_size x processes)",
+    "eval_only": "evaluate a run's checkpoint with python eval.py --out_dir=OUT_DIR",
+    "vocab_size": "the dataset's meta.json sets it (pad_vocab_to rounds it up)",
+}
 CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "backend": ("auto", "gloo", "nccl", "mpi"),
@@ -119,10 +127,8 @@ def _allowed(name: str) -> tuple:
     """The types field `name` takes (Optional[int]: int, NoneType); an unknown name suggests the nearest."""
     if name not in FIELD_TYPES:
         close = difflib.get_close_matches(name, list(FIELD_TYPES), n=1, cutoff=0.6)  # (0.5: nproc, wandb_project)
-        hint = f"did you mean '{close[0]}'?" if close else "see docs/config.md"
-        if name.replace("-", "_") in LAUNCHER_OPTIONS:
-            hint = ("it is a launcher's option: for N processes run python train_spawn.py --nproc=N ... "
-                    "or torchrun --nproc_per_node=N train.py ...")
+        hint = ELSEWHERE.get(name.replace("-", "_")) or (f"did you mean '{close[0]}'?" if close else
+                                                          "see docs/config.md")
         raise ConfigError(f"unknown config name {_show(name)}: {hint}")
     return typing.get_args(FIELD_TYPES[name]) or (FIELD_TYPES[name],)
 
@@ -228,7 +234,7 @@ def validate(cfg: Config) -> Config:
          "--checkpoint_format=sharded")
     known = ("scratch", "resume", *GPT2_NAMES)
     if cfg.init_from not in known and "/" not in cfg.init_from and not _exists(cfg.init_from):
-        close = difflib.get_close_matches(cfg.init_from, known, n=1)
+        close = difflib.get_close_matches(cfg.init_from.replace("-small", ""), known, n=1)  # (not gpt2-xl)
         raise ConfigError(f"init_from {cfg.init_from!r} is not scratch, resume, a GPT-2 name ({', '.join(GPT2_NAMES)}) "
                           f"or a folder" + (f": did you mean '{close[0]}'?" if close else ""))
     need(not (cfg.init_from == "resume" and cfg.resume == "never"),

@@ -39,6 +39,13 @@ def test_unknown_name_suggests_the_closest_valid_name(tmp_path):
             resolve([arg, "--n_layer=2"])
     with pytest.raises(ConfigError, match="^unknown config name 'n_layers': did you mean 'n_layer'"):
         resolve(["--n_layers"])  # (not "write overrides as --n_layers=VALUE")
+    # nanoGPT's names that are not ours say what does their job (not a near name: eval_interval, block_size)
+    for arg, hint in (("--gradient_accumulation_steps=5", "set global_batch_size instead"),
+                      ("--eval_only=True", "python eval.py --out_dir=OUT_DIR"), ("--vocab_size=100", "meta.json")):
+        with pytest.raises(ConfigError, match=f"^unknown config name '{arg[2:].partition('=')[0]}': .*{hint}"):
+            resolve([arg])
+    with pytest.raises(ConfigError, match="did you mean 'gpt2'\\?$"):  # the 124M model (difflib: gpt2-xl)
+        resolve(["--init_from=gpt2-small"])
 
 
 @pytest.mark.parametrize("arg, expected", [
