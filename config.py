@@ -105,8 +105,8 @@ ELSEWHERE = {  # names the launchers or nanoGPT take, and what does their job he
                      "rdzv_backend", "rdzv_endpoint", "rdzv_id", "max_restarts"),
                     "it is a launcher's option: for N processes run python train_spawn.py --nproc=N ... "
                     "or torchrun --nproc_per_node=N train.py ..."),
-    "gradient_accumulation_steps": "set global_batch_size instead (sequences per optimizer step): the micro-steps "
-                                   "are global_batch_size / (batch_size x processes)",
+    "gradient_accumulation_steps": "give global_batch_size = batch_size x nanoGPT's gradient_accumulation_steps "
+                                   "instead (sequences per optimizer step, over all processes)",
     "eval_only": "evaluate a run's checkpoint with python eval.py --out_dir=OUT_DIR",
     "vocab_size": "the dataset's meta.json sets it (pad_vocab_to rounds it up)",
 }

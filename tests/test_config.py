@@ -40,7 +40,7 @@ def test_unknown_name_suggests_the_closest_valid_name(tmp_path):
     with pytest.raises(ConfigError, match="^unknown config name 'n_layers': did you mean 'n_layer'"):
         resolve(["--n_layers"])  # (not "write overrides as --n_layers=VALUE")
     # nanoGPT's names that are not ours say what does their job (not a near name: eval_interval, block_size)
-    for arg, hint in (("--gradient_accumulation_steps=5", "set global_batch_size instead"),
+    for arg, hint in (("--gradient_accumulation_steps=5", "global_batch_size = batch_size x nanoGPT's gradient_acc"),
                       ("--eval_only=True", "python eval.py --out_dir=OUT_DIR"), ("--vocab_size=100", "meta.json")):
         with pytest.raises(ConfigError, match=f"^unknown config name '{arg[2:].partition('=')[0]}': .*{hint}"):
             resolve([arg])
