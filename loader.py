@@ -182,7 +182,8 @@ class Dataset:
         loose = [name for name in ("train.bin", "val.bin") if (self.dir / name).exists()]
         if loose and cfg.data_dir:  # nanoGPT's layout (meta.pkl is not read): preparing would overwrite them
             raise ConfigError(f"{self.dir} holds {' and '.join(loose)} but no meta.json: train.py will not prepare "
-                              f"over them; point --data_dir elsewhere, or delete them if a prepare left them")
+                              f"over them; nanoGPT's GPT-2 token files train once a meta.json describes them "
+                              f"(docs/data.md gives it), else point --data_dir elsewhere or delete them")
         script = REPO / "data" / cfg.dataset / "prepare.py"
         if not (cfg.dataset.isidentifier() and script.exists()):  # a folder's name: it is imported
             raise ConfigError(f"no dataset in {self.dir} (meta.json missing), and dataset={cfg.dataset!r} names no "

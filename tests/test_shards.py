@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import torch
 
 import train
 from config import resolve
+from errors import ConfigError
 from data import streaming
 from data.dataset import Shard, read_shard_header, write_shard
 from data.tokenizers import gpt2_encoding
@@ -177,7 +179,7 @@ def write_llm_c_shard(path: Path, tokens, magic=20240520, version=1, dtype=np.ui
         f.write(np.asarray(tokens, dtype=dtype).tobytes())
 
 
-def test_shards_from_another_writer_train_as_they_are(tmp_path):
+def test_shards_from_another_writer_train_as_they_are(tmp_path, monkeypatch):
     data = tmp_path / "pretokenized"  # no meta.json: read as GPT-2 BPE tokens
     data.mkdir()
     rng = np.random.default_rng(0)
@@ -192,6 +194,16 @@ def test_shards_from_another_writer_train_as_they_are(tmp_path):
                                                       "mini_val_000000.bin"]  # nothing written there
     write_llm_c_shard(tmp_path / "wide.bin", [70000, 1], magic=20240801, version=7, dtype=np.uint32)
     assert read_shard_header(tmp_path / "wide.bin") == ("uint32", 2)
+    nano = tmp_path / "nanogpt"  # nanoGPT's train.bin and val.bin: bare uint16 GPT-2 ids, no meta.json
+    nano.mkdir()
+    for split, n in (("train", 6000), ("val", 3000)):
+        rng.integers(0, 50257, n).astype(np.uint16).tofile(nano / f"{split}.bin")
+    with pytest.raises(ConfigError, match="nanoGPT's GPT-2 token files train once a meta.json describes them"):
+        train.main(resolve(tiny_args(nano, tmp_path / "nano_out")))
+    monkeypatch.chdir(nano)  # the meta.json docs/data.md gives, written as it says: then they train
+    exec(re.search(r"python -c '(.+)'", (REPO / "docs" / "data.md").read_text()).group(1), {})
+    result = train.main(resolve(tiny_args(nano, tmp_path / "nano_out", max_iters=2, eval_interval=2)))
+    assert result["step"] == 2 and json.loads((nano / "meta.json").read_text())["train_tokens"] == 6000
 
 
 def test_a_window_never_crosses_a_shard_end(tmp_path):
