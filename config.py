@@ -176,7 +176,10 @@ def load_file(path: str) -> dict:
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        shipped = Path(__file__).parent / "configs"  # (nanoGPT's are in config/, and named otherwise)
+        hint = f" ({shipped} holds the shipped ones: {', '.join(sorted(p.name for p in shipped.glob('*.py')))})"
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}{hint * isinstance(e, FileNotFoundError)}") \
+            from None
     namespace: dict = {}
     try:
         exec(compile(source, path, "exec"), namespace)

@@ -106,13 +106,16 @@ def test_values_are_range_checked(args, expected):
         resolve(args.split(" "))
 
 
-def test_override_syntax_errors_are_clear():
+def test_override_syntax_errors_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="--n_layer=VALUE"):
         resolve(["--n_layer", "4"])
     with pytest.raises(ConfigError, match="neither a config file"):
         resolve(["n_layer=4"])
     with pytest.raises(ConfigError, match="cannot read config file"):
         resolve(["missing.py"])
+    (tmp_path / "folder.py").mkdir()  # the shipped configs are listed for a missing file only
+    with pytest.raises(ConfigError, match=f"^cannot read config file {tmp_path}/folder.py: Is a directory$"):
+        resolve([str(tmp_path / "folder.py")])
 
 
 def test_string_fields_take_the_raw_text():
