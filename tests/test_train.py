@@ -224,6 +224,25 @@ def test_wandb_logs_offline_when_asked(char_data, tmp_path, monkeypatch):
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
 
 
+def test_wandb_is_told_whether_the_run_failed(char_data, tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb", reason="wandb is in requirements.txt, but not on every machine")
+    import train
+    logged, finished = [], []
+
+    class FakeRun:  # what wandb.init returns: no service process, no files
+        def log(self, record, step):
+            logged.append(step)
+
+        def finish(self, exit_code):
+            finished.append(exit_code)
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: FakeRun())
+    train_here(char_data, tmp_path / "ok", wandb_log=True, max_iters=2, eval_interval=2)
+    monkeypatch.setattr(train, "optimizer_step", lambda run: (_ for _ in ()).throw(RuntimeError("a step failed")))
+    with pytest.raises(RuntimeError, match="a step failed"):
+        train_here(char_data, tmp_path / "failed", wandb_log=True, max_iters=2, eval_interval=2)
+    assert finished == [0, 1] and logged[-1] == 0 and 2 in logged  # the failed run's step-0 eval was logged
+
+
 def test_a_fresh_run_in_a_used_out_dir_starts_a_new_log(char_data, tmp_path):
     train_here(char_data, tmp_path, max_iters=4, eval_interval=2)
     train_here(char_data, tmp_path, max_iters=4, eval_interval=2, resume="never")
