@@ -107,7 +107,8 @@ ELSEWHERE = {  # names the launchers or nanoGPT take, and what does their job he
                     "or torchrun --nproc_per_node=N train.py ..."),
     "gradient_accumulation_steps": "give global_batch_size = batch_size x nanoGPT's gradient_accumulation_steps "
                                    "instead (sequences per optimizer step, over all processes)",
-    "eval_only": "evaluate a run's checkpoint with python eval.py --out_dir=OUT_DIR",
+    "eval_only": "python eval.py --out_dir=OUT_DIR --dataset=NAME evaluates a run's checkpoint (GPT-2 BPE), and "
+                 "max_iters=0 evaluates init_from's weights (as configs/eval_gpt2.py does)",
     "vocab_size": "the dataset's meta.json sets it (pad_vocab_to rounds it up)",
 }
 CHOICES = {
@@ -177,9 +178,9 @@ def load_file(path: str) -> dict:
         raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
         shipped = Path(__file__).parent / "configs"  # (nanoGPT's are in config/, and named otherwise)
-        hint = f" ({shipped} holds the shipped ones: {', '.join(sorted(p.name for p in shipped.glob('*.py')))})"
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}{hint * isinstance(e, FileNotFoundError)}") \
-            from None
+        names = ", ".join(sorted(p.name for p in shipped.glob("*.py")))
+        hint = f" ({shipped} holds the shipped ones: {names})" if isinstance(e, FileNotFoundError) else ""
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}{hint}") from None
     namespace: dict = {}
     try:
         exec(compile(source, path, "exec"), namespace)
