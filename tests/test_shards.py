@@ -22,10 +22,10 @@ import torch
 
 import train
 from config import resolve
-from errors import ConfigError
 from data import streaming
 from data.dataset import Shard, read_shard_header, write_shard
 from data.tokenizers import gpt2_encoding
+from errors import ConfigError
 from harness import (REPO, assert_close_runs, ckpt, make_char_dataset, read_epochs, record_epochs, shard_dataset,
                      small_disk, tiny_args, train_log, train_run)
 from loader import ShardedTokenLoader, Tokens
