@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import any_rank, process_group
-from config import CHOICES, Config, resolve
+from config import CHOICES, REPO, Config, resolve
 from data.dataset import GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
 from errors import ConfigError, RunError, reported
 from loader import Dataset
@@ -47,8 +47,6 @@ from model import GPTConfig
 from parallel import memory_problem
 from train import build_run, optimizer_step
 from world import World, setup
-
-REPO = Path(__file__).resolve().parent
 
 
 # -----------------------------------------------------------------------------

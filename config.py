@@ -97,6 +97,7 @@ class Config:
                     block_size=self.block_size, vocab_size=vocab_size, pad_vocab_to=self.pad_vocab_to)
 
 
+REPO = Path(__file__).resolve().parent  # configs/, data/
 FIELD_TYPES = typing.get_type_hints(Config)
 PER_HOST = ("out_dir", "data_dir", "prepare_input", "hellaswag_path", "device")  # may differ between ranks
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -177,7 +178,7 @@ def load_file(path: str) -> dict:
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
-        shipped = Path(__file__).parent / "configs"  # (nanoGPT's are in config/, and named otherwise)
+        shipped = REPO / "configs"  # (nanoGPT's are in config/, and named otherwise)
         names = ", ".join(sorted(p.name for p in shipped.glob("*.py")))
         hint = f" ({shipped} holds the shipped ones: {names})" if isinstance(e, FileNotFoundError) else ""
         raise ConfigError(f"cannot read config file {path}: {e.strerror}{hint}") from None

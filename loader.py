@@ -17,12 +17,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from config import Config
+from config import REPO, Config
 from data.dataset import Shard, check_token_files, has_tokens, load_meta, split_shards
 from errors import BadTokenId, ConfigError
 from collectives import agree_or_raise, differs_from_rank0
-
-REPO = Path(__file__).resolve().parent
 
 
 class Tokens:
