@@ -77,6 +77,13 @@ def train_run(world_size, data, out, patch=None, **kw) -> list[dict]:
     return run_world(world_size, args, Path(str(out) + "-results"), patch)
 
 
+def raising(error: BaseException):
+    """A stand-in for any function: every call raises `error`."""
+    def fail(*args, **kwargs):
+        raise error
+    return fail
+
+
 def child_env(audit_dir: Path = None, watch: Path = None, **extra) -> dict:
     """Environment for a launched process: one thread, and optionally a write audit."""
     env = {k: v for k, v in os.environ.items()

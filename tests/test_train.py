@@ -9,7 +9,7 @@ import torch
 
 import loader
 from errors import ConfigError
-from harness import EXPECTED_FILES, ckpt, metrics, python, train_here
+from harness import EXPECTED_FILES, ckpt, metrics, python, raising, train_here
 
 
 def test_single_process_run_lowers_val_loss(char_data, tmp_path):
@@ -237,7 +237,7 @@ def test_wandb_is_told_whether_the_run_failed(char_data, tmp_path, monkeypatch):
             finished.append(exit_code)
     monkeypatch.setattr(wandb, "init", lambda **kwargs: FakeRun())
     train_here(char_data, tmp_path / "ok", wandb_log=True, max_iters=2, eval_interval=2)
-    monkeypatch.setattr(train, "optimizer_step", lambda run: (_ for _ in ()).throw(RuntimeError("a step failed")))
+    monkeypatch.setattr(train, "optimizer_step", raising(RuntimeError("a step failed")))
     with pytest.raises(RuntimeError, match="a step failed"):
         train_here(char_data, tmp_path / "failed", wandb_log=True, max_iters=2, eval_interval=2)
     assert finished == [0, 1] and logged[-1] == 0 and 2 in logged  # the failed run's step-0 eval was logged
