@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from config import REPO, Config
-from data.dataset import Shard, check_token_files, has_tokens, load_meta, split_shards
+from data.dataset import Shard, check_token_files, has_tokens, load_meta, other_source, split_shards
 from errors import BadTokenId, ConfigError
 from collectives import agree_or_raise, differs_from_rank0
 
@@ -157,6 +157,9 @@ def read_dataset(cfg: Config) -> dict:
         check_token_files(data_dir, meta)
     except (OSError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    if cfg.prepare_input and (other := other_source(meta, cfg.prepare_input)):  # else it would go unused
+        raise ConfigError(f"{data_dir} holds a dataset already, prepared from {other}, not from prepare_input "
+                          f"{cfg.prepare_input}: give that one a --data_dir of its own (a new folder)")
     for split, shards in split_shards(data_dir, meta).items():
         needed = 2 * cfg.block_size if split == "train" else cfg.block_size + 1  # train: any offset
         longest = max(s.tokens for s in shards)  # a window never crosses a shard end
@@ -178,10 +181,11 @@ class Dataset:
         if self.meta is not None:
             return
         loose = [name for name in ("train.bin", "val.bin") if (self.dir / name).exists()]
-        if loose and cfg.data_dir:  # nanoGPT's layout (meta.pkl is not read): preparing would overwrite them
+        if loose:  # nanoGPT's layout (meta.pkl is not read): preparing would overwrite them
             raise ConfigError(f"{self.dir} holds {' and '.join(loose)} but no meta.json: train.py will not prepare "
                               f"over them; nanoGPT's GPT-2 token files train once a meta.json describes them "
-                              f"(docs/data.md gives it), else point --data_dir elsewhere or delete them")
+                              f"(docs/data.md gives it), else delete them (a preparation killed as it ended leaves "
+                              f"them too) or choose another --data_dir")
         script = REPO / "data" / cfg.dataset / "prepare.py"
         if not (cfg.dataset.isidentifier() and script.exists()):  # a folder's name: it is imported
             raise ConfigError(f"no dataset in {self.dir} (meta.json missing), and dataset={cfg.dataset!r} names no "

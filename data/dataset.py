@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.files import atomic_write, preparing, read_json, write_temp
+from data.files import atomic_write, preparing, read_json, sha256_bytes, write_temp
 
 DATASET_FORMAT = 1
 HEADER_INTS = 256  # an llm.c shard header: 256 int32, of which the first three are used
@@ -169,6 +169,19 @@ def meta_from_shards(data_dir) -> dict:
             "source": {"name": "pre-tokenized shards in llm.c's format", "path": str(data_dir)},
             "train_tokens": sum(s["tokens"] for s in shards["train"]),
             "val_tokens": sum(s["tokens"] for s in shards["val"]), "shards": shards, "format": DATASET_FORMAT}
+
+
+def other_source(meta: dict, input_path: str):
+    """None if the dataset of `meta` was prepared from the text at input_path (by its sha256; a pipe
+    by its name), else what it was prepared from."""
+    source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
+    path = Path(input_path)
+    try:  # (a file since deleted, by the path it had)
+        same = (source.get("sha256") == sha256_bytes(path.read_bytes()) if path.is_file()
+                else source.get("path") in (input_path, str(path.resolve())))
+    except OSError:
+        same = False
+    return None if same else source.get("path") or source.get("name") or "another text"
 
 
 def split_shards(data_dir, meta: dict) -> dict:

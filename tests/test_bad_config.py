@@ -86,6 +86,15 @@ def other_vocabulary(data):
     prepare(out_dir=str(data), input_path=str(text))
 
 
+def nanogpt_files_in_repo_data(data, monkeypatch):
+    """data as data/shakespeare_char of a repo of its own, holding train.bin and val.bin only."""
+    import loader
+    (data / "meta.json").unlink()
+    (data.parent / "repo" / "data").mkdir(parents=True)
+    (data.parent / "repo" / "data" / "shakespeare_char").symlink_to(data)
+    monkeypatch.setattr(loader, "REPO", data.parent / "repo")
+
+
 def config_file_that_raises(data):
     path = data.parent / "raises.py"
     path.write_text("n_layer = 2\nn_head = 1 / 0\n")
@@ -203,6 +212,11 @@ CASES = [
      r"dataset='shakespeare_char/' names no data/NAME/prepare\.py to prepare it"),
     ("nanoGPT's data folder", [], lambda d, m: (d / "meta.json").unlink(),
      r"data holds train\.bin and val\.bin but no meta\.json: train\.py will not prepare over them"),
+    ("nanoGPT's files in data/DATASET", ["--data_dir="], nanogpt_files_in_repo_data,  # (a prepare overwrote them)
+     r"shakespeare_char holds train\.bin and val\.bin but no meta\.json: train\.py will not prepare over them"),
+    ("prepare_input that did not make the dataset", lambda d: [f"--prepare_input={d.parent / 'other.txt'}"],
+     lambda d, m: (d.parent / "other.txt").write_text("another text\n" * 99),  # (it went unused)
+     r"data holds a dataset already, prepared from .*input_text\.txt, not from prepare_input .*other\.txt: give"),
     ("prepare_input missing", ["--prepare_input=no/such/corpus.txt"], lambda d, m: shutil.rmtree(d),
      r"prepare_input no/such/corpus\.txt does not exist: the dataset in .*data is missing"),
     ("unfinished streaming preparation", [], lambda d, m: (d / "meta.json").rename(d / ".progress.json"),

@@ -332,6 +332,27 @@ def test_interrupted_swap_leaves_no_meta_json(tmp_path, monkeypatch):
         load_meta(tmp_path)
 
 
+def test_a_dataset_is_trained_with_prepare_input_only_if_made_from_that_text(tmp_path):
+    """(Else prepare_input would go unused without a word.) The same text matches by its bytes, and once
+    deleted by the path it had; another path, or no file there, is refused."""
+    from config import Config
+    from errors import ConfigError
+    from harness import make_char_dataset
+    from loader import Dataset
+    data, text = make_char_dataset(tmp_path), tmp_path / "input_text.txt"
+    given = lambda path: Dataset(Config(data_dir=str(data), block_size=16, prepare_input=str(path)))  # noqa: E731
+    given(text)
+    copy = tmp_path / "copy.txt"
+    copy.write_bytes(text.read_bytes())
+    given(copy)
+    copy.write_text("another text\n")
+    for other in (copy, tmp_path / "no_such.txt"):
+        with pytest.raises(ConfigError, match=f"prepared from {text}, not from prepare_input {other}: give"):
+            given(other)
+    text.unlink()
+    given(text)
+
+
 @pytest.mark.parametrize("other", ["fineweb_val_000000.bin", ".progress.json"])
 def test_a_small_prepare_never_writes_over_a_sharded_dataset(tmp_path, other):
     (tmp_path / other).write_bytes(b"a shard, or a prepare of shards under way")
