@@ -180,9 +180,11 @@ class Diverged(RunError):
 
 class CheckpointNotWritten(RunError):
     def __init__(self, step: int, failure: str, saved):
+        full = "No space left" in failure or "Disk quota" in failure  # (a message: maybe another rank's)
         super().__init__(
-            f"could not write a checkpoint at step {step} ({failure}); {_kept(saved)}: free "
-            f"disk space or choose another out_dir, then relaunch with resume=auto.")
+            f"could not write a checkpoint at step {step} ({failure}); {_kept(saved)}: "
+            f"{'free disk space' if full else 'make out_dir writable'} or choose another out_dir, then "
+            f"relaunch with resume=auto.")
 
 
 class LogNotWritten(RunError):

@@ -16,7 +16,7 @@ import train
 from config import resolve
 from data.files import link_or_copy
 from errors import ConfigError, RunError
-from harness import small_disk, tiny_args, train_here
+from harness import raising, small_disk, tiny_args, train_here
 from model import GPT
 
 
@@ -269,6 +269,9 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temporar
         train_here(data_dir_of(out), out, max_iters=12, eval_interval=12, resume="auto")
     assert (out / "last.pt").read_bytes() == before
     assert not list(out.glob(".*.tmp"))
+    monkeypatch.setattr(torch, "save", raising(PermissionError(13, "Permission denied")))  # (chattr +i)
+    with pytest.raises(RunError, match=r"at step 12 \(\[Errno 13\] Permission denied\).*: make out_dir writable or "):
+        train_here(data_dir_of(out), out, max_iters=12, eval_interval=12, resume="auto")
 
 
 class Killed(BaseException):
