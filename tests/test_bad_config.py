@@ -487,7 +487,8 @@ def test_an_out_dir_in_use_or_that_cannot_be_written_is_one_line(char_data, tmp_
     taken = tmp_path / "a_file"
     taken.write_text("not a folder")
     proc = script("train.py", *tiny_args(char_data, taken))
-    assert proc.returncode == 2 and proc.stderr.startswith(f"error: out_dir {taken} cannot be written ("), proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: out_dir {taken} cannot be written (it is a file, "
+                                                           f"or lies under one): choose another --out_dir\n"), proc.stderr
     assert proc.stderr.count("\n") == 1 and taken.read_text() == "not a folder"
 
 

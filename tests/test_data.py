@@ -161,10 +161,10 @@ def test_load_meta_names_the_missing_dataset_and_how_to_prepare_it(tmp_path):
 def test_gpt2_encoding_rejects_a_wrong_vocabulary_file(tmp_path, monkeypatch):
     bad = tmp_path / "gpt2.tiktoken"
     bad.write_bytes(os.urandom(1000))
-    with pytest.raises(ValueError, match=GPT2_TIKTOKEN_SHA256):
+    with pytest.raises(ValueError, match=f"from --bpe_file; should be GPT-2's .*{GPT2_TIKTOKEN_SHA256}"):
         gpt2_encoding(bad)
     monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(bad))
-    with pytest.raises(ValueError, match=GPT2_TIKTOKEN_SHA256):
+    with pytest.raises(ValueError, match=f"from \\$GPT2_TIKTOKEN_FILE; should be GPT-2's .*{GPT2_TIKTOKEN_SHA256}"):
         gpt2_encoding()
     for given, problem in ((tmp_path / "none", "missing"), (tmp_path, "a folder")):  # once a traceback
         monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(given))
@@ -387,7 +387,7 @@ def test_prepare_with_bad_input_exits_2_and_writes_nothing(tmp_path, script, nam
     out = tmp_path / "out"
     for given, message in ((tmp_path / "missing.txt", f"input file {tmp_path / 'missing.txt'} does not exist"),
                            (latin1, f"input file {latin1} is not UTF-8 text (byte 0xe9 at offset 3)"),
-                           (tmp_path, f"input file {tmp_path} is a folder")):
+                           (tmp_path, f"input file {tmp_path} is a folder: give a UTF-8 text file")):
         proc = script(f"data/{name}/prepare.py", "--input", given, "--out_dir", out)
         assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
         assert "Traceback" not in proc.stderr and not out.exists()
