@@ -175,7 +175,7 @@ def read_shape(folder: Path) -> dict:
     params = shape["n_layer"] * 12 * n_embd ** 2 + (shape["vocab_size"] + shape["block_size"]) * n_embd
     if params > weights.stat().st_size:
         raise ConfigError(f"{where} describes a model of {params:,} weights, but {weights} holds "
-                          f"{weights.stat().st_size:,} bytes: the two come from different models")
+                          f"{weights.stat().st_size:,} bytes: cut short (an interrupted copy?) or another model's")
     return shape
 
 
@@ -238,7 +238,7 @@ def load_gpt(init_from: str, device="cpu", shape: dict = None) -> GPT:
 
 def add_source_args(parser):
     """sample.py's and eval.py's --out_dir and --init_from: where the model comes from (check_source)."""
-    parser.add_argument("--out_dir", help="a run's folder (default: out): its best (else last) checkpoint, meta.json")
+    parser.add_argument("--out_dir", help="a run's folder (default: out): its best (else last) checkpoint")
     parser.add_argument("--init_from", default="", help="gpt2, gpt2-medium, -large, -xl or a Hugging Face folder")
 
 
@@ -255,18 +255,19 @@ def run_folder(out_dir) -> Path:
     """sample.py's, eval.py's and scripts/export_hf.py's --out_dir, checked before anything is loaded."""
     if not Path(out_dir).is_dir():
         raise ConfigError(f"out_dir {out_dir} {'is not a folder' if Path(out_dir).exists() else 'does not exist'}: "
-                          f"train first (python train.py) or pass the run's folder with --out_dir")
+                          f"pass the run's folder with --out_dir (or train first: python train.py)")
     return Path(out_dir)
 
 
 def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
-    """(model in eval mode, meta.json, path, step) of a training run, for sample.py, eval.py and
-    scripts/export_hf.py: best, else last (or the other way round), else previous, of either format."""
+    """(model in eval mode, its vocabulary as meta.json's, path, step) of a training run, for sample.py,
+    eval.py and scripts/export_hf.py: best, else last (or the other way round), else previous, of either format."""
     kinds = (("best", "last") if prefer == "best" else ("last", "best")) + ("previous",)
     paths = [p for kind in kinds for p in checkpoint.newest([out_dir / f"{kind}.pt", out_dir / f"{kind}.dcp"])]
     if not paths:
-        raise ConfigError(f"no best.pt, last.pt or previous.pt in {out_dir} (nor a .dcp folder): train first, "
-                          f"or pass --out_dir")
+        nanogpt = " (its ckpt.pt is nanoGPT's, which this repo does not read)" * (out_dir / "ckpt.pt").exists()
+        raise ConfigError(f"no best.pt, last.pt or previous.pt in {out_dir} (nor a .dcp folder){nanogpt}: train "
+                          f"first, or pass --out_dir")
 
     def build(path):
         ckpt = checkpoint.read(path)
@@ -289,18 +290,14 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
                                        f"({type(e).__name__}: {first_line(e)})") from None
 
     model, step, path, vocab = checkpoint.read_first(paths, build)
-    meta_path = out_dir / "meta.json"
-    if not meta_path.is_file():
-        raise ConfigError(f"{meta_path} is {'no file' if meta_path.exists() else 'missing'}: train.py writes it beside "
-                          f"the checkpoint; copy the dataset's meta.json there")
-    try:
+    if "tokenizer" in vocab:  # the checkpoint's own: any later run into out_dir rewrites meta.json
+        return model.eval().to(device), {**vocab, "vocab_size": model.config.vocab_size}, path, step
+    try:  # older files keep their vocabulary only in the meta.json beside them
         meta = load_meta(out_dir, fix="copy the dataset's meta.json there (train.py copied it from the dataset)")
-    except ValueError as e:
+    except (OSError, ValueError) as e:  # (missing: FileNotFoundError)
         raise ConfigError(str(e)) from None
-    if vocab:  # the checkpoint's own: any later run into out_dir rewrites meta.json
-        meta.update(vocab, vocab_size=model.config.vocab_size)
     if meta["vocab_size"] != model.config.vocab_size:
-        raise ConfigError(f"{meta_path} has a vocabulary of {meta['vocab_size']} tokens but {path} was "
+        raise ConfigError(f"{out_dir / 'meta.json'} has a vocabulary of {meta['vocab_size']} tokens but {path} was "
                           f"trained with {model.config.vocab_size}: they come from different runs")
     return model.eval().to(device), meta, path, step
 

@@ -53,7 +53,7 @@ def read_prompt(start: str) -> str:
         if why := why_unreadable(path):
             raise ConfigError(f"prompt file {path} {why}")
         try:
-            start = path.read_text(encoding="utf-8")
+            start = path.read_text(encoding="utf-8-sig")  # (a byte-order mark is no character of the prompt)
         except UnicodeDecodeError as e:
             raise ConfigError(f"prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     elif any("\udc80" <= c <= "\udcff" for c in start):  # how Python keeps argv's bad bytes

@@ -119,6 +119,8 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
 
 def _prepare_again(data_dir, when: str = "again") -> str:
     script = Path(__file__).parent / Path(data_dir).name / "prepare.py"  # data/NAME/prepare.py, if there
+    if not script.is_file() and Path(data_dir).resolve().parent == script.parent.parent:  # data/NAME itself
+        return f"no data/{script.parent.name}/prepare.py makes it: check the dataset's name"
     command = f"python data/{script.parent.name}/prepare.py" if script.is_file() else "the dataset's prepare.py"
     return f"prepare the dataset {when} ({command} --out_dir {data_dir})"
 
@@ -227,7 +229,7 @@ def load_meta(data_dir, fix: str = "") -> dict:
                              f"dataset's prepare.py with the same arguments again, which finishes it")
         if has_tokens(data_dir):
             return meta_from_shards(data_dir)
-        raise FileNotFoundError(f"{path} not found: {_prepare_again(data_dir, 'first')}")
+        raise FileNotFoundError(f"{path} not found: {fix or _prepare_again(data_dir, 'first')}")
     try:
         meta = read_json(path)
     except ValueError as e:  # not UTF-8, not JSON

@@ -37,9 +37,9 @@ def main(argv=None):
         raise ConfigError("--to is empty: give the folder to write")
     pretrained.run_folder(out_dir)
     mine = os.path.realpath(to) == os.path.realpath(out_dir)  # (Path.resolve raises on a link loop)
-    if mine or (to / "run.lock").exists():  # a training run's: its config.json would be replaced
-        raise ConfigError(f"--to={to} is {'the' if mine else 'another'} run's own folder: give another folder, its "
-                          f"config.json would clash")
+    if mine or (to / "run.lock").exists() or to.suffix == ".dcp":  # a run's (its config.json) or a checkpoint
+        what = "a sharded checkpoint" if to.suffix == ".dcp" else f"{'the' if mine else 'another'} run's own folder"
+        raise ConfigError(f"--to={to} is {what}: give another folder, of its own (files there are replaced)")
     if args.checkpoint == "last" and not any((out_dir / f"last{s}").exists() for s in (".pt", ".dcp")):
         raise ConfigError(f"no last.pt or last.dcp in {out_dir}: use --checkpoint=best, or train first")
     model, meta, path, step = pretrained.load_model(out_dir, "cpu", prefer=args.checkpoint)

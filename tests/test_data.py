@@ -156,6 +156,8 @@ def test_load_meta_names_the_missing_dataset_and_how_to_prepare_it(tmp_path):
         load_meta(tmp_path / "shakespeare_char")
     with pytest.raises(FileNotFoundError, match=r"first \(the dataset's prepare\.py"):  # no data/nosuch/prepare.py
         load_meta(tmp_path / "nosuch")
+    with pytest.raises(FileNotFoundError, match=r"not found: no data/nosuch/prepare\.py makes it: check the dataset"):
+        load_meta(REPO / "data" / "nosuch")  # eval.py --dataset=nosuch
 
 
 def test_gpt2_encoding_rejects_a_wrong_vocabulary_file(tmp_path, monkeypatch):

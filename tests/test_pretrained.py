@@ -163,7 +163,8 @@ def test_config_json_of_another_architecture_or_size_is_refused(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "n_layer": 10**6}))
     pretrained.locate.cache_clear()
-    with pytest.raises(ConfigError, match=r"a model of [\d,]+ weights, but .*model\.safetensors holds [\d,]+ bytes"):
+    with pytest.raises(ConfigError, match=r"a model of [\d,]+ weights, but .*model\.safetensors holds [\d,]+ bytes: "
+                                          r"cut short \(an interrupted copy\?\) or another model's"):
         pretrained.load_gpt(str(tmp_path))
     # fewer positions than the weights' table: it was cropped to them without a word
     (tmp_path / "config.json").write_text(json.dumps({**config, "n_positions": 16}))
@@ -402,6 +403,8 @@ def test_export_bad_input_is_one_line(tmp_path, fails_with):
     for to in (tmp_path / "empty", tmp_path / "link"):
         fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={to}"],
                    f"--to={to} is the run's own folder")
+    fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'out' / 'best.dcp'}"],
+               f"--to={tmp_path / 'out' / 'best.dcp'} is a sharded checkpoint: give another folder")  # (files added)
 
 
 # --- sample.py --init_from --------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -40,7 +41,7 @@ def test_samples_generated_in_several_batches_are_independent_draws(trained, mon
     assert len(samples) == 3 and len(set(samples)) == 3, samples
 
 
-def test_the_checkpoints_own_vocabulary_decodes_not_a_meta_json_a_later_run_rewrote(trained_copy, sample):
+def test_the_checkpoints_own_vocabulary_decodes_not_a_meta_json_a_later_run_rewrote(trained_copy, tmp_path, sample):
     """out_dir/meta.json is the dataset's of the latest run into out_dir; the checkpoint keeps the
     characters it was trained on, and sample.py reads with those."""
     args = [f"--out_dir={trained_copy}", "--start=the king", "--num_samples=1", "--max_new_tokens=10", "--seed=7"]
@@ -49,6 +50,10 @@ def test_the_checkpoints_own_vocabulary_decodes_not_a_meta_json_a_later_run_rewr
     meta = json.loads((trained_copy / "meta.json").read_text())
     (trained_copy / "meta.json").write_text(json.dumps({**meta, "chars": meta["chars"][::-1]}))
     assert sample(*args).stdout == before.stdout
+    alone = tmp_path / "alone"  # best.pt copied by itself: it needs no meta.json
+    alone.mkdir()
+    shutil.copy(trained_copy / "best.pt", alone)
+    assert sample(*args, f"--out_dir={alone}").stdout == before.stdout
 
 
 def test_prompt_from_a_file_and_greedy_decoding(trained, tmp_path, sample):
@@ -63,6 +68,8 @@ def test_prompt_from_a_file_and_greedy_decoding(trained, tmp_path, sample):
     assert first == second and first.startswith("a fool ")
     args[-1] = "--temperature=1e-40"  # so small that logits / temperature would overflow to inf
     assert sample(*args, "--seed=1").stdout == a.stdout  # the limit of sampling is greedy
+    prompt.write_bytes(b"\xef\xbb\xbfa fool ")  # a byte-order mark (Windows' editors) is no character of it
+    assert sample(*args, "--seed=1").stdout == a.stdout
 
 
 def test_top_k_larger_than_the_vocabulary_is_clamped_to_no_filtering(trained, sample):
@@ -79,9 +86,17 @@ def write(path, data: bytes):
     return path
 
 
+def older(out):
+    """best.pt and last.pt as written before checkpoints kept their vocabulary: meta.json beside them has it."""
+    for name in ("best.pt", "last.pt"):
+        torch.save({k: v for k, v in torch.load(out / name, weights_only=True).items() if k != "vocab"}, out / name)
+    return out
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--out_dir=/nonexistent/out"], "out_dir /nonexistent/out does not exist: train first"),
-    ([lambda tmp: f"--out_dir={write(tmp / 'a_file', b'')}"], "a_file is not a folder: train first"),
+    (["--out_dir=/nonexistent/out"], "out_dir /nonexistent/out does not exist: pass the run's folder with --out_dir"),
+    ([lambda tmp: f"--out_dir={write(tmp / 'a_file', b'')}"],
+     "a_file is not a folder: pass the run's folder with --out_dir"),
     (["--out_dir=" + "x" * 256], "the path xxxxxxxxxx"),  # (once a traceback: Path.is_dir raised)
     (["--start=FILE:" + "p" * 256], "is too long for the file system (a name over 255 bytes"),
     (["--max_new_tokens=0"], "--max_new_tokens must be positive, got 0"),
@@ -113,11 +128,15 @@ def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, m
 
 @pytest.mark.parametrize("damage, message", [
     (lambda out: (out / "best.pt").unlink() or (out / "last.pt").unlink(), "no best.pt, last.pt or previous.pt in"),
-    (lambda out: (out / "meta.json").unlink(), "meta.json is missing: train.py writes it"),
-    (lambda out: (out / "meta.json").unlink() or (out / "meta.json").mkdir(), "meta.json is no file: train.py writes it"),
-    (lambda out: (out / "meta.json").write_text("[1, 2"), "meta.json is not valid JSON"),
-    (lambda out: (out / "meta.json").write_text("[" * 100_000), "meta.json is not valid JSON (maximum recursion"),
-    (lambda out: (out / "meta.json").write_text('{"format": 1}'),  # not "prepare" into the run's folder
+    (lambda out: (out / "best.pt").rename(out / "ckpt.pt") and (out / "last.pt").unlink(),  # nanoGPT's
+     "(nor a .dcp folder) (its ckpt.pt is nanoGPT's, which this repo does not read): train first"),
+    (lambda out: (older(out) / "meta.json").unlink(), "meta.json not found: copy the dataset's meta.json there"),
+    (lambda out: (older(out) / "meta.json").unlink() or (out / "meta.json").mkdir(),
+     "meta.json not found: copy the dataset's meta.json there"),
+    (lambda out: (older(out) / "meta.json").write_text("[1, 2"), "meta.json is not valid JSON"),
+    (lambda out: (older(out) / "meta.json").write_text("[" * 100_000),
+     "meta.json is not valid JSON (maximum recursion"),
+    (lambda out: (older(out) / "meta.json").write_text('{"format": 1}'),  # not "prepare" into the run's folder
      "vocab_size is None, which is missing or invalid: copy the dataset's meta.json there"),
     (lambda out: write(out / "best.pt", os.urandom(2000)) and write(out / "last.pt", b"PK\x03\x04"),
      "last.pt: it is truncated or not a torch checkpoint at all"),
