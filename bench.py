@@ -269,6 +269,8 @@ def main(argv=None):
             flags[arg] = True
         elif arg.startswith("--") and name in opts and eq:
             opts[name] = value
+        elif arg.startswith("--") and (name in opts or "--" + name in flags):  # (--steps 20, --profile=True)
+            raise ConfigError(f"'{arg}': write --{name}=VALUE" if name in opts else f"'{arg}': --{name} takes no value")
         else:
             cfg_args.append(arg)
     (steps,), (warmup,) = (parse_list(k, opts[k], int, minimum=m, one=True) for k, m in (("steps", 1), ("warmup", 0)))

@@ -98,7 +98,9 @@ def test_bench_bad_arguments_are_one_line(script, tmp_path):
                          ([f"--report={tmp_path / 'a_file'}"], "a_file is no folder"),
                          (["--nproc=3"], "x world size (3) = 48: try --global_batch_size=48"),
                          (["--nproc=1,1"], "--nproc=1,1 repeats a value"),
-                         (["--steps=5,10"], "--steps=5,10: give a number"), (["--warmup=1,2"], "--warmup=1,2: give")):
+                         (["--steps=5,10"], "--steps=5,10: give a number"), (["--warmup=1,2"], "--warmup=1,2: give"),
+                         (["--steps", "20"], "'--steps': write --steps=VALUE"),  # (once: unknown config name)
+                         (["--profile=True"], "'--profile=True': --profile takes no value")):
         proc = script("bench.py", *args)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
