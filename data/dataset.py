@@ -174,11 +174,11 @@ def meta_from_shards(data_dir) -> dict:
 
 
 def other_source(meta: dict, input_path: str):
-    """None if the dataset of `meta` was prepared from the text at input_path (by its sha256; a pipe
-    by its name), else what it was prepared from."""
+    """None if the dataset of `meta` was prepared from the text at input_path (by its sha256; a pipe, or
+    a file since deleted, by its path), else what it was prepared from."""
     source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
     path = Path(input_path)
-    try:  # (a file since deleted, by the path it had)
+    try:
         same = (source.get("sha256") == sha256_bytes(path.read_bytes()) if path.is_file()
                 else source.get("path") in (input_path, str(path.resolve())))
     except OSError:

@@ -67,7 +67,8 @@ def gpt2_encoding(bpe_file=None, verbose: bool = True):
     own download; the copy inside the openai-whisper sdist on the package index. Local copies
     are checked by sha256 (a given file that fails is an error; the others are skipped).
     """
-    origin, bpe_file = "--bpe_file" if bpe_file else "$GPT2_TIKTOKEN_FILE", bpe_file or os.environ.get("GPT2_TIKTOKEN_FILE")
+    origin = "--bpe_file" if bpe_file else "$GPT2_TIKTOKEN_FILE"
+    bpe_file = bpe_file or os.environ.get("GPT2_TIKTOKEN_FILE")
     cache = gpt2_cache_path()
     local = {path: path.read_bytes() for path in (REPO_COPY, cache) if path.is_file()}
     verified = next((path for path, data in local.items() if sha256_bytes(data) == GPT2_TIKTOKEN_SHA256), None)
@@ -77,7 +78,8 @@ def gpt2_encoding(bpe_file=None, verbose: bool = True):
                              f"{'a folder' if Path(bpe_file).is_dir() else 'missing'}: point it at a gpt2.tiktoken "
                              f"file, or leave it out to use {REPO_COPY.name} in data/")
         data = Path(bpe_file).read_bytes()
-        check_sha256(data, GPT2_TIKTOKEN_SHA256, f"{bpe_file} (from {origin}; should be GPT-2's gpt2.tiktoken = r50k_base)")
+        check_sha256(data, GPT2_TIKTOKEN_SHA256, f"{bpe_file} (from {origin}; should be GPT-2's gpt2.tiktoken = "
+                                                 f"r50k_base)")
         enc, how = _gpt2_from_bpe(data), f"local file {bpe_file}"
     elif verified is not None:
         enc, how = _gpt2_from_bpe(local[verified]), f"local file {verified}"
