@@ -6,8 +6,8 @@
     python sample.py --init_from=gpt2 --start="The meaning of life is"     # OpenAI's weights
 
 Loads best (else last, else previous, also when one is damaged; .pt or .dcp) from out_dir with
-weights_only=True and rebuilds the tokenizer from the meta.json that train.py
-saved beside it. The same --seed gives the same text. --temperature=0 picks
+weights_only=True and rebuilds the tokenizer from the vocabulary the checkpoint
+keeps (an older one's: the meta.json beside it). The same --seed gives the same text. --temperature=0 picks
 the most likely token at every step (greedy); a negative temperature is an
 error. --top_k larger than the vocabulary is clamped to it (no filtering). A
 prompt with characters outside a character-level vocabulary is an error that

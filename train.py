@@ -336,10 +336,9 @@ def cli(argv=None):
     """Exit 2 for a config or data problem, 1 for a failed run: one line saying what to do,
     with the traceback only under --debug."""
     args = sys.argv[1:] if argv is None else list(argv)
-    if "-h" in args or "--help" in args:
-        print(f"{__doc__}\n--debug shows the traceback of an error.\n\n{Config.defaults()}")
-        return
-    with reported(debug="--debug" in args):
+    with reported(debug="--debug" in args):  # (also --help | head: a reader that went away)
+        if "-h" in args or "--help" in args:
+            return print(f"{__doc__}\n--debug shows the traceback of an error.\n\n{Config.defaults()}", flush=True)
         result = main(resolve(strip_local_rank([a for a in args if a != "--debug"])))
     if result["stopped"]:  # like any process ended by the signal, but only after saving
         sys.exit(128 + result["stopped"])

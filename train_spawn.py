@@ -39,10 +39,10 @@ def worker(rank: int, nproc: int, args: list[str], errors: str):
 
 def main(argv=None):
     args = sys.argv[1:] if argv is None else list(argv)
-    if "-h" in args or "--help" in args:  # this launcher's usage, then train.py's settings
-        print(__doc__)
-        return train.cli(["--help"])
     with reported(debug="--debug" in args):
+        if "-h" in args or "--help" in args:  # this launcher's usage, then train.py's settings
+            print(__doc__, flush=True)
+            return train.cli(["--help"])
         p = ArgumentParser(prog="train_spawn.py", add_help=False, allow_abbrev=False)  # the rest is train.py's
         p.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2)
         known, args = p.parse_known_args(args)

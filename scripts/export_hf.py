@@ -27,7 +27,7 @@ from errors import ArgumentParser, ConfigError, first_line, reported  # noqa: E4
 
 def main(argv=None):
     p = ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out_dir", default="out", help="the training run's folder (checkpoints and meta.json)")
+    p.add_argument("--out_dir", default="out", help="the training run's folder (its checkpoints)")
     p.add_argument("--checkpoint", choices=("best", "last"), default="best",
                    help="best (the default; last when there is none) or last, .pt or .dcp (the newer)")
     p.add_argument("--to", required=True, help="the folder to write (created; files in it are replaced)")

@@ -449,7 +449,8 @@ def test_bench_loader_says_why_a_measurement_failed(script, monkeypatch):
 @pytest.mark.slow
 def test_a_tool_piped_into_head_ends_quietly(a_run):
     """`sample.py | head -1`: the reader goes away mid-output; the writer ends as a pipe's writer
-    does (128 + SIGPIPE), with no traceback. (Its output is more than a pipe's buffer holds.)"""
+    does (128 + SIGPIPE), with no traceback. (Its output is more than a pipe's buffer holds.) So do
+    the launchers' --help."""
     proc = subprocess.Popen([sys.executable, "sample.py", f"--out_dir={a_run}", "--num_samples=2000",
                              "--max_new_tokens=100"], cwd=REPO, env=child_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -457,6 +458,13 @@ def test_a_tool_piped_into_head_ends_quietly(a_run):
     proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 128 + signal.SIGPIPE and "Traceback" not in err and "error" not in err, err
+    for launcher in ("train.py", "train_spawn.py"):  # --help, its reader gone before a byte (once a traceback)
+        read, write = os.pipe()
+        os.close(read)
+        proc = subprocess.run([sys.executable, launcher, "--help"], cwd=REPO, env=child_env(), stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+        os.close(write)
+        assert proc.returncode == 128 + signal.SIGPIPE and proc.stderr == "", proc.stderr
 
 
 @pytest.mark.slow
