@@ -120,8 +120,10 @@ class GlobalBatchIndivisible(ConfigError):
 
 class OutDirUnwritable(ConfigError):
     def __init__(self, out_dir, e: OSError):
-        file = isinstance(e, (FileExistsError, NotADirectoryError))  # (os.makedirs over a file)
+        file = isinstance(e, (FileExistsError, NotADirectoryError))  # (os.makedirs over a file, or a link to nothing)
         why, fix = ("it is a file, or lies under one", "") if file else (e.strerror or e, " or fix its permissions")
+        if os.path.islink(out_dir) and not os.path.exists(out_dir):
+            why, fix = "a link to nothing: is its storage mounted?", " or mount it"
         super().__init__(f"out_dir {out_dir} cannot be written ({why}): choose another --out_dir{fix}")
 
 

@@ -158,8 +158,8 @@ def read_dataset(cfg: Config) -> dict:
     except (OSError, ValueError) as e:
         raise ConfigError(str(e)) from None
     if cfg.prepare_input and (other := other_source(meta, cfg.prepare_input)):  # else it would go unused
-        raise ConfigError(f"{data_dir} holds a dataset already, prepared from {other}, not from prepare_input "
-                          f"{cfg.prepare_input}: give that one a --data_dir of its own (a new folder)")
+        raise ConfigError(f"{data_dir} holds a dataset {other}: leave --prepare_input out to train on it as it "
+                          f"is, or give the new text a --data_dir of its own (a new folder)")
     for split, shards in split_shards(data_dir, meta).items():
         needed = 2 * cfg.block_size if split == "train" else cfg.block_size + 1  # train: any offset
         longest = max(s.tokens for s in shards)  # a window never crosses a shard end

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.files import atomic_write, preparing, read_json, sha256_bytes, write_temp
+from data.files import atomic_write, preparing, read_json, write_temp
 
 DATASET_FORMAT = 1
 HEADER_INTS = 256  # an llm.c shard header: 256 int32, of which the first three are used
@@ -119,7 +119,7 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
 
 def _prepare_again(data_dir, when: str = "again") -> str:
     script = Path(__file__).parent / Path(data_dir).name / "prepare.py"  # data/NAME/prepare.py, if there
-    if not script.is_file() and Path(data_dir).resolve().parent == script.parent.parent:  # data/NAME itself
+    if when == "first" and not script.is_file() and Path(data_dir).resolve().parent == script.parent.parent:
         return f"no data/{script.parent.name}/prepare.py makes it: check the dataset's name"
     command = f"python data/{script.parent.name}/prepare.py" if script.is_file() else "the dataset's prepare.py"
     return f"prepare the dataset {when} ({command} --out_dir {data_dir})"
@@ -174,16 +174,19 @@ def meta_from_shards(data_dir) -> dict:
 
 
 def other_source(meta: dict, input_path: str):
-    """None if the dataset of `meta` was prepared from the text at input_path (by its sha256; a pipe, or
-    a file since deleted, by its path), else what it was prepared from."""
+    """None if the dataset of `meta` was made from the text at input_path (by its sha256; a pipe, or a file
+    gone or unreadable, by its path), else what it was made from."""
     source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
-    path = Path(input_path)
-    try:
-        same = (source.get("sha256") == sha256_bytes(path.read_bytes()) if path.is_file()
-                else source.get("path") in (input_path, str(path.resolve())))
-    except OSError:
-        same = False
-    return None if same else source.get("path") or source.get("name") or "another text"
+    same = named = source.get("path") in (str(Path(input_path)), os.path.realpath(input_path))
+    if Path(input_path).is_file():
+        try:
+            with open(input_path, "rb") as f:  # (in pieces: the text may be gigabytes)
+                same = hashlib.file_digest(f, "sha256").hexdigest() == source.get("sha256")
+        except OSError:
+            pass
+    made = source.get("path") or source.get("name") or "another text"
+    return None if same else f"made from {input_path} before it changed" if named else \
+        f"made from {made}, not from prepare_input {input_path}"
 
 
 def split_shards(data_dir, meta: dict) -> dict:

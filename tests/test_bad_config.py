@@ -216,7 +216,7 @@ CASES = [
      r"shakespeare_char holds train\.bin and val\.bin but no meta\.json: train\.py will not prepare over them"),
     ("prepare_input that did not make the dataset", lambda d: [f"--prepare_input={d.parent / 'other.txt'}"],
      lambda d, m: (d.parent / "other.txt").write_text("another text\n" * 99),  # (it went unused)
-     r"data holds a dataset already, prepared from .*input_text\.txt, not from prepare_input .*other\.txt: give"),
+     r"data holds a dataset made from .*input_text\.txt, not from prepare_input .*other\.txt: leave --prepare_in"),
     ("prepare_input missing", ["--prepare_input=no/such/corpus.txt"], lambda d, m: shutil.rmtree(d),
      r"prepare_input no/such/corpus\.txt does not exist: the dataset in .*data is missing"),
     ("unfinished streaming preparation", [], lambda d, m: (d / "meta.json").rename(d / ".progress.json"),
@@ -489,6 +489,10 @@ def test_an_out_dir_in_use_or_that_cannot_be_written_is_one_line(char_data, tmp_
     proc = script("train.py", *tiny_args(char_data, taken))
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: out_dir {taken} cannot be written (it is a file, "
                                                            f"or lies under one): choose another --out_dir\n"), proc.stderr
+    (tmp_path / "scratch").symlink_to(tmp_path / "not_mounted" / "scratch")
+    proc = script("train.py", *tiny_args(char_data, tmp_path / "scratch"))
+    assert proc.stderr == (f"error: out_dir {tmp_path / 'scratch'} cannot be written (a link to nothing: is its "
+                           f"storage mounted?): choose another --out_dir or mount it\n"), proc.stderr
     assert proc.stderr.count("\n") == 1 and taken.read_text() == "not a folder"
 
 

@@ -150,7 +150,7 @@ def test_remove_deletes_a_link_to_a_folder_not_the_folder(tmp_path):
     assert not os.path.lexists(tmp_path / "link") and (tmp_path / "target" / "kept").read_text() == "x"
 
 
-def test_load_meta_names_the_missing_dataset_and_how_to_prepare_it(tmp_path):
+def test_load_meta_names_the_missing_dataset_and_how_to_prepare_it(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"meta\.json not found: prepare the dataset first \(python "
                                                 r"data/shakespeare_char/prepare\.py --out_dir "):
         load_meta(tmp_path / "shakespeare_char")
@@ -158,6 +158,12 @@ def test_load_meta_names_the_missing_dataset_and_how_to_prepare_it(tmp_path):
         load_meta(tmp_path / "nosuch")
     with pytest.raises(FileNotFoundError, match=r"not found: no data/nosuch/prepare\.py makes it: check the dataset"):
         load_meta(REPO / "data" / "nosuch")  # eval.py --dataset=nosuch
+    import data.dataset
+    monkeypatch.setattr(data.dataset, "__file__", str(tmp_path / "dataset.py"))  # tmp_path as the repo's data/
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "meta.json").write_text("{")  # a dataset of one's own there, damaged: its name is right
+    with pytest.raises(ValueError, match=r"not valid JSON .*: prepare the dataset again \(the dataset's prepare\.py"):
+        load_meta(tmp_path / "mine")
 
 
 def test_gpt2_encoding_rejects_a_wrong_vocabulary_file(tmp_path, monkeypatch):
@@ -334,10 +340,11 @@ def test_interrupted_swap_leaves_no_meta_json(tmp_path, monkeypatch):
         load_meta(tmp_path)
 
 
-def test_a_dataset_is_trained_with_prepare_input_only_if_made_from_that_text(tmp_path):
-    """(Else prepare_input would go unused without a word.) The same text matches by its bytes, and once
-    deleted by the path it had; another path, or no file there, is refused."""
+def test_a_dataset_is_trained_with_prepare_input_only_if_made_from_that_text(tmp_path, monkeypatch):
+    """(Else prepare_input would go unused without a word.) The same text matches by its bytes, a pipe and
+    a file since deleted by the path they had; another text, an edited one or none there is one line."""
     from config import Config
+    from data.dataset import other_source
     from errors import ConfigError
     from harness import make_char_dataset
     from loader import Dataset
@@ -348,11 +355,18 @@ def test_a_dataset_is_trained_with_prepare_input_only_if_made_from_that_text(tmp
     copy.write_bytes(text.read_bytes())
     given(copy)
     copy.write_text("another text\n")
-    for other in (copy, tmp_path / "no_such.txt"):
-        with pytest.raises(ConfigError, match=f"prepared from {text}, not from prepare_input {other}: give"):
+    (tmp_path / "loop").symlink_to("loop")  # (Path.resolve raised on it: a traceback)
+    for other in (copy, tmp_path / "no_such.txt", tmp_path / "loop"):
+        with pytest.raises(ConfigError, match=f"made from {text}, not from prepare_input {other}: leave --prepare_in"):
             given(other)
+    text.write_text(text.read_text() + "one line more\n")
+    with pytest.raises(ConfigError, match=f"made from {text} before it changed: leave --prepare_input out to train"):
+        given(text)
     text.unlink()
     given(text)
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo("fifo")  # a preparation from ./fifo records it as fifo; it is never opened here (that would wait)
+    assert other_source({"source": {"path": "fifo"}}, "./fifo") is None
 
 
 @pytest.mark.parametrize("other", ["fineweb_val_000000.bin", ".progress.json"])

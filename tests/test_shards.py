@@ -375,8 +375,8 @@ def test_a_wrong_vocabulary_file_is_one_line_and_not_a_hang(corpus, tmp_path, mo
     folder, _ = corpus
     proc = prepare("fineweb", f"--input={folder}/part2.jsonl", f"--out_dir={tmp_path / 'out'}", "--workers=1",
                    timeout=60)
-    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {junk} (should be GPT-2's gpt2.tiktoken"), \
-        proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {junk} (from $GPT2_TIKTOKEN_FILE; should be "
+                                                           f"GPT-2's gpt2.tiktoken"), proc.stderr
     assert proc.stderr.count("\n") == 1
     # a worker that cannot load it fails its task (the main process reports it) and is not restarted
     monkeypatch.setattr(streaming, "_encoder", None)
