@@ -70,7 +70,8 @@ def run(nproc: int, args: list, errors: Path):
             pass
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
         said = [(errors / str(rank)).read_text("utf-8") for rank in range(nproc) if (errors / str(rank)).exists()]
-        for line in dict.fromkeys(said):  # each distinct line once, in rank order
+        own = [line for line in said if not line.endswith("on another rank: see its message")]  # (it is here)
+        for line in dict.fromkeys(own or said):  # each distinct line once, in rank order
             print(line, file=sys.stderr, flush=True)
         if not isinstance(e, mp.ProcessExitedException):  # a rank raised what no error names: its traceback
             raise

@@ -344,14 +344,20 @@ def test_two_launched_ranks_both_exit_2_and_debug_shows_the_traceback(char_data,
     assert nothing_written(tmp_path / "out")
 
 
+LATIN1 = "caf\u00e9 au lait\n".encode("latin-1") * 99  # a text that exists, but no preparation can read
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("problem, message", [
     ("--n_embd=33", "n_embd (33) must be divisible by n_head (2)"),  # found by the launcher
     ("--block_size=7000", "block_size (7000) is too long for the val split"),  # found by the ranks
     ("--resume=/nonexistent/\udcff.pt", "nothing to resume from: /nonexistent/\\udcff.pt does not exist"),  # not UTF-8
+    (lambda tmp: [f"--data_dir={tmp / 'fresh'}", f"--prepare_input={write_bytes(tmp / 'l1.txt', LATIN1)}"],
+     "preparing shakespeare_char in "),  # rank 0's line only: not rank 1's "failed on another rank: see its message"
 ])
 def test_train_spawn_exits_2_and_debug_shows_the_traceback(char_data, tmp_path, problem, message):
-    args = ["train_spawn.py", "--nproc=2", *tiny_args(char_data, tmp_path / "out"), problem]
+    problem = problem(tmp_path) if callable(problem) else [problem]
+    args = ["train_spawn.py", "--nproc=2", *tiny_args(char_data, tmp_path / "out"), *problem]
     quiet = python(*args, timeout=120)
     # one line, though every rank raised it (they once each printed it, and the launcher its terminations)
     assert quiet.returncode == 2 and quiet.stderr.startswith(f"error: {message}"), quiet.stderr
