@@ -106,7 +106,8 @@ def say(line: str):
                                       line.encode("utf-8", "backslashreplace"))  # as stderr would write it
         except OSError:  # (a full /tmp) the line itself still goes out
             pass
-    print(line, file=sys.stderr, flush=True)
+    sys.stderr.write(line + "\n")  # one write: print's two interleaved ranks' lines under PYTHONUNBUFFERED
+    sys.stderr.flush()
 
 
 class GlobalBatchIndivisible(ConfigError):

@@ -359,3 +359,8 @@ def test_an_error_line_a_launcher_cannot_collect_goes_to_stderr(tmp_path, monkey
     say("error: rank 1's")
     assert capsys.readouterr().err == "" and (tmp_path / "1").read_text() == "error: rank 1's"
     assert (tmp_path / "0").read_text() == "error: collected"
+    writes = []  # on a stderr that ranks share (torchrun's), line and newline in one write: never "...error: ..."
+    monkeypatch.delenv("ERRORS_TO")
+    monkeypatch.setattr(sys, "stderr", type("Stderr", (), {"write": writes.append, "flush": lambda self: None})())
+    say("error: whole")
+    assert writes == ["error: whole\n"]
