@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from errors import CollectiveFailed, ConfigError, GroupNotFormed, RunError, UnreadableCheckpoint
+from errors import SEE_OTHER_RANK, CollectiveFailed, ConfigError, GroupNotFormed, RunError, UnreadableCheckpoint
 
 
 def agree_max(value: int, world) -> int:
@@ -58,10 +58,10 @@ def first_error(error, world) -> str:
 
 
 def agree_or_raise(error, world, elsewhere: str = None):
-    """Raise ConfigError on every rank if any rank has an error: its own message where it has
-    one, else `elsewhere`, or (elsewhere=None) the lowest failing rank's message."""
+    """Raise ConfigError on every rank if any rank has an error: its own message where it has one, else
+    "{elsewhere} on another rank: see its message", or (elsewhere=None) the lowest failing rank's message."""
     if any_rank(error is not None, world):
-        raise ConfigError((error or elsewhere) if elsewhere else first_error(error, world))
+        raise ConfigError((error or f"{elsewhere} {SEE_OTHER_RANK}") if elsewhere else first_error(error, world))
 
 
 def differs_from_rank0(settings: dict, world, per_host: tuple = (), what: str = "config"):

@@ -51,6 +51,9 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see {self.prog} --help)")
 
 
+SEE_OTHER_RANK = "on another rank: see its message"  # collectives.agree_or_raise's; train_spawn.py drops it
+
+
 @contextmanager
 def reported(debug: bool = False, also: tuple = ()):
     """Every entry point runs inside this: a ConfigError (or an exception of a class in `also`)
@@ -121,10 +124,12 @@ class GlobalBatchIndivisible(ConfigError):
 
 class OutDirUnwritable(ConfigError):
     def __init__(self, out_dir, e: OSError):
-        file = isinstance(e, (FileExistsError, NotADirectoryError))  # (os.makedirs over a file, or a link to nothing)
-        why, fix = ("it is a file, or lies under one", "") if file else (e.strerror or e, " or fix its permissions")
-        if os.path.islink(out_dir) and not os.path.exists(out_dir):
+        if os.path.islink(out_dir) and not os.path.exists(out_dir):  # (makedirs: FileExistsError, as for a file)
             why, fix = "a link to nothing: is its storage mounted?", " or mount it"
+        elif isinstance(e, (FileExistsError, NotADirectoryError)):
+            why, fix = "it is a file, or lies under one", ""
+        else:
+            why, fix = e.strerror or e, " or fix its permissions"
         super().__init__(f"out_dir {out_dir} cannot be written ({why}): choose another --out_dir{fix}")
 
 

@@ -210,13 +210,13 @@ class Dataset:
                     out_dir=str(self.dir), **local_input)
             except (OSError, ValueError, RuntimeError) as e:  # no corpus, not UTF-8, a full disk...
                 error = f"preparing {self.cfg.dataset} in {self.dir} failed: {e}"
-        agree_or_raise(error, world, "preparing the dataset failed on another rank: see its message")
+        agree_or_raise(error, world, "preparing the dataset failed")
         if self.meta is None:
             try:
                 self.meta = read_dataset(self.cfg)
             except ConfigError as e:
                 error = str(e)
-        agree_or_raise(error, world, "the dataset check failed on another rank: see its message")
+        agree_or_raise(error, world, "the dataset check failed")
         same = {k: self.meta.get(k) for k in ("vocab_size", "tokenizer", "chars", "train_tokens", "val_tokens")}
         agree_or_raise(differs_from_rank0(same, world, what="dataset (each host's data_dir)"), world)
         return self.meta

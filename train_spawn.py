@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 import train
 from config import resolve
-from errors import ArgumentParser, ConfigError, reported
+from errors import SEE_OTHER_RANK, ArgumentParser, ConfigError, reported
 from world import World, setup, strip_local_rank
 
 
@@ -48,15 +48,14 @@ def main(argv=None):
         known, args = p.parse_known_args(args)
         if known.nproc < 1:
             raise ConfigError(f"--nproc must be a positive integer, got {known.nproc}")
-        nproc = known.nproc
         # a bad config or device fails here once, not in N children
         cfg = resolve(strip_local_rank([a for a in args if a != "--debug"]))
-        setup(cfg, claim=False, world=World(size=nproc, local_size=nproc))  # as its rank 0 will see it
+        setup(cfg, claim=False, world=World(size=known.nproc, local_size=known.nproc))  # as its rank 0 will see it
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" lines
     with tempfile.TemporaryDirectory() as errors:  # each rank's error line, printed here once
-        run(nproc, args, Path(errors))
+        run(known.nproc, args, Path(errors))
 
 
 def run(nproc: int, args: list, errors: Path):
@@ -70,7 +69,7 @@ def run(nproc: int, args: list, errors: Path):
             pass
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
         said = [(errors / str(rank)).read_text("utf-8") for rank in range(nproc) if (errors / str(rank)).exists()]
-        own = [line for line in said if not line.endswith("on another rank: see its message")]  # (it is here)
+        own = [line for line in said if not line.endswith(SEE_OTHER_RANK)]  # (that message is here too)
         for line in dict.fromkeys(own or said):  # each distinct line once, in rank order
             print(line, file=sys.stderr, flush=True)
         if not isinstance(e, mp.ProcessExitedException):  # a rank raised what no error names: its traceback
