@@ -172,9 +172,14 @@ def _join(world, dist_timeout: float):
         store, _, _ = next(dist.rendezvous("env://", world.rank, world.size, timeout=timeout))
         # torchrun restarts a failed group against the same store, where a dead peer's address
         # lingers for a new rank to read: a prefix per attempt keeps each attempt's keys apart.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(world.backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
-                                rank=world.rank, world_size=world.size, timeout=timeout)
+        store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        if world.rank == 0:  # a rank told another WORLD_SIZE would wait out dist_timeout for peers that never come
+            store.set("world_size", str(world.size))
+        if (size := int(store.get("world_size"))) != world.size:
+            raise ConfigError(f"WORLD_SIZE is {world.size} here but {size} on rank 0: start every rank with the same")
+        dist.init_process_group(world.backend, store=store, rank=world.rank, world_size=world.size, timeout=timeout)
+    except ConfigError:
+        raise
     except (RuntimeError, ValueError, socket.gaierror) as e:  # torch's DistError family is RuntimeError
         raise GroupNotFormed(world.rank, world.size, address, dist_timeout, e) from None
     finally:

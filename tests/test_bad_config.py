@@ -315,10 +315,10 @@ def test_a_dataset_with_another_vocabulary_than_the_checkpoint_is_refused(copies
     assert code == 2 and "last.pt was trained on another vocabulary than the dataset's" in err, err
 
 
-def launch_two_ranks(args, timeout=60):
+def launch_two_ranks(args, timeout=60, sizes=(2, 2)):
     port = free_port()
     procs = [subprocess.Popen(train_py(args), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=child_env(RANK=r, WORLD_SIZE=2, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1",
+                              env=child_env(RANK=r, WORLD_SIZE=sizes[r], LOCAL_RANK=r, MASTER_ADDR="127.0.0.1",
                                             MASTER_PORT=port))
              for r in range(2)]
     try:
@@ -326,6 +326,15 @@ def launch_two_ranks(args, timeout=60):
     finally:
         for p in procs:
             p.kill()
+
+
+@pytest.mark.slow
+def test_a_rank_started_with_another_world_size_says_so(char_data, tmp_path):
+    # (it waited out dist_timeout for a third rank, and said only to check MASTER_ADDR, MASTER_PORT and WORLD_SIZE)
+    (code0, _, err0), (code1, _, err1) = launch_two_ranks(tiny_args(char_data, tmp_path / "out", dist_timeout=5,
+                                                                    global_batch_size=24), sizes=(2, 3))
+    assert (code1, err1) == (2, "error: WORLD_SIZE is 3 here but 2 on rank 0: start every rank with the same\n")
+    assert code0 == 1 and "could not form the process group of 2 ranks" in err0, err0
 
 
 @pytest.mark.slow
