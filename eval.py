@@ -1,6 +1,7 @@
 """Evaluate a checkpoint or GPT-2's weights: HellaSwag accuracy, and the loss on a dataset.
 
     python eval.py --out_dir=out-gpt-small               # best.pt (else last.pt) of a GPT-2 BPE run
+    python eval.py --out_dir=out-gpt-small --checkpoint=last   # its newest instead
     python eval.py --init_from=gpt2                      # OpenAI's GPT-2 124M (or a Hugging Face folder)
     python eval.py --init_from=gpt2 --limit=500          # a quick look: the first 500 examples
     python eval.py --out_dir=out-gpt-small --hellaswag=hellaswag_val.jsonl --dataset=fineweb
@@ -69,7 +70,7 @@ def main(argv=None):
             collective_failures_explained(world, args.dist_timeout, lambda: "during the evaluation"):
         error = None
         try:  # a rank whose copy of something is missing stops every rank, with its message
-            model, meta, name = pretrained.load_for_text(args.init_from, args.out_dir, world.device)
+            model, meta, name = pretrained.load_for_text(args.init_from, args.out_dir, world.device, args.checkpoint)
             hellaswag.check_tokenizer(meta, name)
             val = val_split(args, model) if args.dataset or args.data_dir else None
             examples = hellaswag.load(args.hellaswag, model.config.block_size, args.limit)

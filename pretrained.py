@@ -239,14 +239,16 @@ def load_gpt(init_from: str, device="cpu", shape: dict = None) -> GPT:
 def add_source_args(parser):
     """sample.py's and eval.py's --out_dir and --init_from: where the model comes from (check_source)."""
     parser.add_argument("--out_dir", help="a run's folder (default: out): its best (else last) checkpoint")
+    parser.add_argument("--checkpoint", choices=("best", "last"), help="which of out_dir's (default: best)")
     parser.add_argument("--init_from", default="", help="gpt2, gpt2-medium, -large, -xl or a Hugging Face folder")
 
 
 def check_source(args):
     """--out_dir or --init_from (resume: nanoGPT's name for --out_dir's run), not both, checked before loading."""
     args.init_from = "" if args.init_from == "resume" else args.init_from
-    if args.init_from and args.out_dir is not None:
-        raise ConfigError(f"--init_from={args.init_from} and --out_dir={args.out_dir} both name the model: give one")
+    if args.init_from and (args.out_dir is not None or args.checkpoint):
+        raise ConfigError(f"--init_from={args.init_from} and --{'checkpoint' if args.checkpoint else 'out_dir'}="
+                          f"{args.checkpoint or args.out_dir} both name the model: give one")
     if not args.init_from:
         args.out_dir = run_folder("out" if args.out_dir is None else args.out_dir)
 
@@ -263,6 +265,8 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
     """(model in eval mode, its vocabulary as meta.json's, path, step) of a training run, for sample.py,
     eval.py and scripts/export_hf.py: best, else last (or the other way round), else previous, of either format."""
     kinds = (("best", "last") if prefer == "best" else ("last", "best")) + ("previous",)
+    if prefer == "last" and not any((out_dir / f"last{s}").exists() for s in (".pt", ".dcp")):
+        raise ConfigError(f"no last.pt or last.dcp in {out_dir}: use --checkpoint=best, or train first")
     paths = [p for kind in kinds for p in checkpoint.newest([out_dir / f"{kind}.pt", out_dir / f"{kind}.dcp"])]
     if not paths:
         nanogpt = " (its ckpt.pt is nanoGPT's, which this repo does not read)" * (out_dir / "ckpt.pt").exists()
@@ -302,12 +306,12 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
     return model.eval().to(device), meta, path, step
 
 
-def load_for_text(init_from: str, out_dir, device) -> tuple:
+def load_for_text(init_from: str, out_dir, device, prefer: str = None) -> tuple:
     """(model in eval mode, its tokenizer's meta, a name for it) for sample.py and eval.py: a training
     run's checkpoint in out_dir, or (init_from) GPT-2's weights. A Hugging Face folder brings no
     tokenizer here but GPT-2's BPE, so its vocabulary must be GPT-2's."""
     if not init_from:
-        model, meta, path, step = load_model(Path(out_dir), device)
+        model, meta, path, step = load_model(Path(out_dir), device, prefer or "best")
         return model, meta, f"{path} (step {step})"
     shape = read_shape(locate(init_from))  # refused before its weights are read
     if shape["vocab_size"] != GPT2_VOCAB_SIZE:

@@ -3,6 +3,7 @@
     python sample.py --out_dir=out
     python sample.py --out_dir=out --start="ROMEO:" --num_samples=3 --max_new_tokens=300
     python sample.py --out_dir=out --start=FILE:prompt.txt --temperature=0   # greedy
+    python sample.py --out_dir=out --checkpoint=last                         # the newest, not the best
     python sample.py --init_from=gpt2 --start="The meaning of life is"     # OpenAI's weights
 
 Loads best (else last, else previous, also when one is damaged; .pt or .dcp) from out_dir with
@@ -100,7 +101,7 @@ def main(argv=None):
     args = parse_args(argv)
     check(args)
     device = pick_device(args.device, World())
-    model, meta, name = pretrained.load_for_text(args.init_from, args.out_dir, device)
+    model, meta, name = pretrained.load_for_text(args.init_from, args.out_dir, device, args.checkpoint)
     try:
         encode, decode = tokenizer_from_meta(meta)
     except (ValueError, RuntimeError) as e:  # no GPT-2 BPE file to be had

@@ -40,8 +40,6 @@ def main(argv=None):
     if mine or (to / "run.lock").exists() or to.suffix == ".dcp":  # a run's (its config.json) or a checkpoint
         what = "a sharded checkpoint" if to.suffix == ".dcp" else f"{'the' if mine else 'another'} run's own folder"
         raise ConfigError(f"--to={to} is {what}: give another folder, of its own (files there are replaced)")
-    if args.checkpoint == "last" and not any((out_dir / f"last{s}").exists() for s in (".pt", ".dcp")):
-        raise ConfigError(f"no last.pt or last.dcp in {out_dir}: use --checkpoint=best, or train first")
     model, meta, path, step = pretrained.load_model(out_dir, "cpu", prefer=args.checkpoint)
     try:
         pretrained.export(model, to, gpt2_tokenizer=meta["tokenizer"] == "gpt2")

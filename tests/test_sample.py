@@ -176,6 +176,20 @@ def test_a_damaged_best_checkpoint_falls_back_to_last_then_previous(trained_copy
     assert proc.returncode == 0 and f"# {out / 'previous.pt'} (step 5)" in proc.stderr, proc.stderr
 
 
+def test_checkpoint_last_samples_the_newest_run_when_best_is_older(trained_copy, sample):
+    out, args = trained_copy, ["--num_samples=1", "--max_new_tokens=5"]
+    shutil.copy(out / "previous.pt", out / "best.pt")  # the val loss stopped improving at step 5
+    assert f"# {out / 'best.pt'} (step 5)" in sample(f"--out_dir={out}", *args).stderr
+    proc = sample(f"--out_dir={out}", "--checkpoint=last", *args)
+    assert proc.returncode == 0 and f"# {out / 'last.pt'} (step 10)" in proc.stderr, proc.stderr
+    (out / "last.pt").unlink()  # not best in its place: the one asked for is missing
+    proc = sample(f"--out_dir={out}", "--checkpoint=last", *args)
+    assert proc.returncode == 2 and proc.stderr == f"error: no last.pt or last.dcp in {out}: use --checkpoint=best, " \
+                                                   f"or train first\n", proc.stderr
+    proc = sample("--init_from=gpt2", "--checkpoint=last")
+    assert proc.returncode == 2 and "--init_from=gpt2 and --checkpoint=last both name the model" in proc.stderr
+
+
 def test_sample_with_a_prompt_and_output_far_past_block_size_finishes(trained, tmp_path, sample):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("the king speaks softly. " * 10)  # 240 characters, block_size 16
