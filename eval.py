@@ -10,7 +10,8 @@
 HellaSwag's validation file comes from --hellaswag=PATH, else from the cache
 (~/.cache/gpt-train/hellaswag_val.jsonl), downloaded there on first use. Every rank loads the
 model itself, so under several hosts each needs its copy. The last line on stdout is
-`hellaswag: acc A acc_norm B over N examples` (fractions, 4 decimals), for scripts to read;
+`hellaswag: acc A acc_norm B over N examples` (fractions, 4 decimals), for scripts to read
+(--no_hellaswag, the loss on --dataset alone, for a model of any tokenizer: its line is the last);
 docs/eval.md says what the numbers mean and what GPT-2 scores. Every bad input ends in one
 line on stderr and exit status 2.
 """
@@ -29,6 +30,7 @@ def parse_args(argv=None):
     p = ArgumentParser(description=__doc__.split("\n")[0])
     pretrained.add_source_args(p)
     p.add_argument("--hellaswag", default="", help="a local hellaswag_val.jsonl (default: the cached copy)")
+    p.add_argument("--no_hellaswag", action="store_true", help="only the loss on --dataset (any tokenizer)")
     p.add_argument("--limit", type=int, default=0, help="evaluate the first N examples only (0 = all)")
     p.add_argument("--dataset", default="", help="also the loss on this dataset's val split")
     p.add_argument("--data_dir", default="", help="that dataset's folder (default data/<dataset>), or any one")
@@ -48,6 +50,8 @@ def check(args):
         raise ConfigError(f"--dist_timeout must be positive seconds, at most 1e6, got {args.dist_timeout}")
     if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
+    if args.no_hellaswag and not (args.dataset or args.data_dir):
+        raise ConfigError("--no_hellaswag leaves nothing to evaluate: give --dataset or --data_dir for the loss")
     pretrained.check_source(args)
 
 
@@ -71,28 +75,32 @@ def main(argv=None):
         error = None
         try:  # a rank whose copy of something is missing stops every rank, with its message
             model, meta, name = pretrained.load_for_text(args.init_from, args.out_dir, world.device, args.checkpoint)
-            hellaswag.check_tokenizer(meta, name)
             val = val_split(args, model) if args.dataset or args.data_dir else None
-            examples = hellaswag.load(args.hellaswag, model.config.block_size, args.limit)
+            examples = score = None
+            if not args.no_hellaswag:
+                hellaswag.check_tokenizer(meta, name, "evaluate --no_hellaswag with --dataset (the loss alone)")
+                examples = hellaswag.load(args.hellaswag, model.config.block_size, args.limit)
         except ConfigError as e:
             error = str(e)
         # a rank started with another --limit (say) would score other examples: every rank stops
         per_host = ("out_dir", "init_from", "hellaswag", "data_dir", "device", "dist_timeout")
         agree_or_raise(differs_from_rank0(vars(args), world, per_host) or error, world)
-        hellaswag.same_on_every_rank(examples, world, "--hellaswag")
         if val is not None:
             loss = val_loss(model, *val, model.config.block_size, args.batch_size, world, autocast(world), False)
-        score, _ = hellaswag.evaluate(model, examples, world, autocast(world), args.batch_size,
-                                      progress=world.is_master)
+        if examples is not None:
+            hellaswag.same_on_every_rank(examples, world, "--hellaswag")
+            score, _ = hellaswag.evaluate(model, examples, world, autocast(world), args.batch_size,
+                                          progress=world.is_master)
     if world.is_master:
         print(f"# {name}, {world.size} process{'es' if world.size > 1 else ''}")
         if val is not None:
             print(f"{args.data_dir or args.dataset} val loss {loss:.4f} over {len(val[1])} windows of "
                   f"{model.config.block_size} tokens")
-        if score.truncated:
+        if score and score.truncated:
             print(f"note: {score.truncated} contexts did not fit block_size "
                   f"({model.config.block_size}) with their endings and lost tokens from their left")
-        print(score.line())
+        if score:
+            print(score.line())
     return score
 
 

@@ -41,11 +41,11 @@ def read_json(path):
     return parse_json(Path(path).read_text(encoding="utf-8"))
 
 
-def check_sha256(data: bytes, expected: str, what: str) -> None:
-    """Raise ValueError naming both hashes unless sha256(data) == expected."""
+def check_sha256(data: bytes, expected: str, what: str, fix: str = "") -> None:
+    """Raise ValueError naming both hashes (and `fix`, what to do) unless sha256(data) == expected."""
     actual = sha256_bytes(data)
     if actual != expected:
-        raise ValueError(f"{what}: sha256 {actual} does not match the expected {expected}")
+        raise ValueError(f"{what}: sha256 {actual} does not match the expected {expected}{fix}")
 
 
 def write_temp(path: Path, write) -> Path:

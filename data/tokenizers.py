@@ -79,7 +79,7 @@ def gpt2_encoding(bpe_file=None, verbose: bool = True):
                              f"file, or leave it out to use {REPO_COPY.name} in data/")
         data = Path(bpe_file).read_bytes()
         check_sha256(data, GPT2_TIKTOKEN_SHA256, f"{bpe_file} (from {origin}; should be GPT-2's gpt2.tiktoken = "
-                                                 f"r50k_base)")
+                     f"r50k_base)", f": point it at a gpt2.tiktoken file, or leave it out to use data/{REPO_COPY.name}")
         enc, how = _gpt2_from_bpe(data), f"local file {bpe_file}"
     elif verified is not None:
         enc, how = _gpt2_from_bpe(local[verified]), f"local file {verified}"

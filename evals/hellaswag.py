@@ -86,7 +86,8 @@ def parse_line(line: str, where: str) -> tuple:
     if not isinstance(ctx, str) or not ctx.strip():
         raise ConfigError(f"{where}: ctx must be a non-empty string")
     if not isinstance(endings, list) or len(endings) != ENDINGS or not all(isinstance(e, str) for e in endings):
-        got = f"{len(endings)} items" if isinstance(endings, list) else type(endings).__name__
+        got = (type(endings).__name__ if not isinstance(endings, list) else f"{len(endings)} items"
+               if len(endings) != ENDINGS else next(repr(e) for e in endings if not isinstance(e, str)))
         raise ConfigError(f"{where}: endings must be a list of {ENDINGS} strings, got {got}")
     if type(label) is not int or not 0 <= label < ENDINGS:
         raise ConfigError(f"{where}: label must be 0, 1, 2 or 3, got {label!r}")
@@ -140,11 +141,11 @@ def render(ctx: str, endings: list, label: int, encode, block_size: int) -> Exam
     return Example([context + e for e in ends], len(context), label, truncated)
 
 
-def check_tokenizer(meta: dict, what: str):
+def check_tokenizer(meta: dict, what: str, instead: str):
     """HellaSwag is English prose, scored in GPT-2 BPE tokens: a character-level model is refused."""
     if meta.get("tokenizer") != "gpt2":
         raise ConfigError(f"HellaSwag needs a model of GPT-2 BPE tokens, but {what} reads "
-                          f"{meta.get('tokenizer')!r} tokens: evaluate a model trained on shakespeare, "
+                          f"{meta.get('tokenizer')!r} tokens: {instead}, or use a model trained on shakespeare, "
                           f"fineweb or openwebtext, or GPT-2's weights (init_from=gpt2)")
 
 
@@ -156,7 +157,7 @@ def load(path: str, block_size: int, limit: int = 0) -> list:
     try:
         enc = gpt2_encoding(verbose=False)
     except (OSError, ValueError, RuntimeError) as e:  # a bad $GPT2_TIKTOKEN_FILE; no copy and no network
-        raise ConfigError(f"HellaSwag needs GPT-2's tokenizer: {first_line(e)}") from None
+        raise ConfigError(f"HellaSwag needs GPT-2's tokenizer: {first_line(e, 1000)}") from None
     return [render(*example, enc.encode_ordinary, block_size) for example in read_examples(locate(path), limit)]
 
 
@@ -165,7 +166,7 @@ def load_on_every_rank(path: str, meta: dict, block_size: int, world, limit: int
     with its message, instead of leaving the others waiting in the first evaluation."""
     examples, error = None, None
     try:
-        check_tokenizer(meta, "this model")
+        check_tokenizer(meta, "this model", "train with --hellaswag_interval=0")
         examples = load(path, block_size, limit)
     except ConfigError as e:
         error = str(e)

@@ -24,7 +24,7 @@ import eval as eval_py  # noqa: E402
 import pretrained  # noqa: E402
 import train  # noqa: E402
 from config import resolve  # noqa: E402
-from data.tokenizers import REPO_COPY, gpt2_encoding  # noqa: E402
+from data.tokenizers import GPT2_TIKTOKEN_SHA256, REPO_COPY, gpt2_encoding  # noqa: E402
 from errors import ConfigError, reported  # noqa: E402
 from evals import hellaswag  # noqa: E402
 from world import World  # noqa: E402
@@ -160,6 +160,7 @@ def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path
     ('{"ctx": "a", "label": 0}', "lacks endings"),
     ('{"ctx": " ", "endings": ["b", "c", "d", "e"], "label": 0}', "ctx must be a non-empty string"),  # blank
     ('{"ctx": "a", "endings": ["b", "c", "d"], "label": 0}', "endings must be a list of 4 strings, got 3 items"),
+    ('{"ctx": "a", "endings": ["b", "c", "d", 5], "label": 0}', "list of 4 strings, got 5"),  # (was "got 4 items")
     ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 4}', "label must be 0, 1, 2 or 3"),
     ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": true}', "label must be 0, 1, 2 or 3"),  # not 1
     ('["a", "b"]', "is not a JSON object"),
@@ -194,6 +195,10 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
     monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(tmp_path / "no.tiktoken"))  # was a traceback
     error = fails(["--init_from", hf_folder, "--hellaswag", hs_file], capsys)
     assert f"HellaSwag needs GPT-2's tokenizer: GPT-2 BPE file {tmp_path / 'no.tiktoken'}" in error
+    monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(hs_file))  # not the BPE file: its whole line, not cut at 200
+    error = fails(["--init_from", hf_folder, "--hellaswag", hs_file], capsys)
+    assert error.endswith(f"the expected {GPT2_TIKTOKEN_SHA256}: point it at a gpt2.tiktoken file, or leave it "
+                          f"out to use data/gpt2.tiktoken"), error
     monkeypatch.delenv("GPT2_TIKTOKEN_FILE")
 
     class Response:  # a download that is not the official file
@@ -310,10 +315,16 @@ def test_eval_py_says_a_val_split_is_too_short_for_the_model_without_train_py_fl
 
 
 def test_a_character_level_model_or_dataset_is_refused(char_data, hf_folder, small_file, tmp_path, capsys):
-    with pytest.raises(ConfigError, match="HellaSwag needs a model of GPT-2 BPE tokens.*'char'"):
+    with pytest.raises(ConfigError, match="HellaSwag needs a model of GPT-2 BPE tokens.*'char' tokens: train with "
+                                          "--hellaswag_interval=0, or"):
         train.main(resolve(tiny_args(char_data, tmp_path, hellaswag_interval=5, hellaswag_path=small_file)))
     train.main(resolve(tiny_args(char_data, tmp_path, max_iters=1)))
-    assert "GPT-2 BPE tokens" in fails(["--out_dir", tmp_path, "--hellaswag", small_file], capsys)
+    assert "'char' tokens: evaluate --no_hellaswag with --dataset (the loss alone), or" in fails(
+        ["--out_dir", tmp_path, "--hellaswag", small_file], capsys)
+    # ... which gives the character model's loss alone (there was no way to skip HellaSwag)
+    out = run_eval(["--out_dir", tmp_path, "--no_hellaswag", "--data_dir", char_data, "--val_windows=4"], capsys)
+    assert re.fullmatch(rf"{re.escape(str(char_data))} val loss \d+\.\d{{4}} over 4 windows of 16 tokens", out[-1]), out
+    assert "--no_hellaswag leaves nothing to evaluate" in fails(["--out_dir", tmp_path, "--no_hellaswag"], capsys)
     # GPT-2's weights, and the loss on a character dataset: its ids are other tokens
     line = fails(["--init_from", hf_folder, "--hellaswag", small_file, "--data_dir", char_data], capsys)
     chars = json.loads((char_data / "meta.json").read_text())["vocab_size"]
