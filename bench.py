@@ -6,22 +6,18 @@
     python bench.py configs/gpt_small.py --nproc=1 --profile  # also: where a step's time goes
 
 Arguments are train.py's (a config file, --name=value overrides) plus --nproc=N[,N...],
---strategies=ddp[,...], --steps, --warmup, --report=DIR and --profile. Every combination of
-strategy and process count is a real run: torchrun starts `bench.py --worker` on this host,
-which builds the model, optimizer, scaler and loader with train.py's build_run and times
-train.py's own optimizer step. Warm-up steps (compilation included) are not timed. On one
-process fsdp has nothing to shard and runs as ddp: its row repeats ddp's when ddp comes first.
+--strategies=ddp,fsdp (default: the config's strategy), --steps, --warmup, --report=DIR and
+--profile. Each combination of strategy and process count is a real run, afresh (resume=never, no
+HellaSwag): torchrun starts `bench.py --worker`, which builds it with train.py's build_run and
+times train.py's optimizer step after untimed warm-up steps (compilation included). On one process
+fsdp has nothing to shard and runs as ddp: its row repeats ddp's when ddp comes first.
 
 The data is synthetic by default (uniform random GPT-2 token ids: GPT-2's vocabulary, whatever
-a config file's dataset), so no dataset is needed; give --dataset=NAME or --data_dir=DIR to read
-real data. Under another launcher (several hosts, SLURM), run the worker with it:
-`torchrun ... bench.py --worker --result=FILE ...`; rank 0 writes the run's figures to FILE.
-
-Each figure (tokens/s, step time, comm share, memory, model state, MFU, scaling efficiency) is
-defined in docs/performance.md.
+a config file's dataset); --dataset=NAME or --data_dir=DIR reads real data. Under another launcher
+(several hosts, SLURM), run the worker with it: `torchrun ... bench.py --worker --result=FILE ...`;
+rank 0 writes the run's figures to FILE. docs/performance.md defines each figure.
 """
 
-import dataclasses
 import json
 import os
 import platform
@@ -44,6 +40,7 @@ from data.dataset import GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
 from errors import ConfigError, RunError, reported
 from loader import Dataset
 from model import GPTConfig
+import pretrained
 from parallel import memory_problem
 from train import build_run, optimizer_step
 from world import World, setup
@@ -138,8 +135,11 @@ KERNEL_KINDS = [
 ]
 
 
+FIXED = ["--resume=never", "--hellaswag_interval=0"]  # every measured run starts afresh and evaluates nothing
+
+
 def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir, profile_dir):
-    cfg = resolve(cfg_args + ["--resume=never", f"--out_dir={tempfile.gettempdir()}/gpt-train-bench-out"])
+    cfg = resolve(cfg_args + FIXED + [f"--out_dir={tempfile.gettempdir()}/gpt-train-bench-out"])
     world = setup(cfg)
     device, accum = world.device, world.accum
     with process_group(world, cfg.dist_timeout):
@@ -231,11 +231,9 @@ def plot(rows: list, path: Path, title: str):
     nprocs = sorted({r["nproc"] for r in rows})
     ax2.axhline(100, color="grey", linestyle=":", label="ideal")
     for ax, ylabel in ((ax1, "tokens / s"), (ax2, "scaling efficiency (%)")):
-        ax.set(xlabel="processes", ylabel=ylabel, xticks=nprocs)
+        ax.set(xlabel="processes", ylabel=ylabel, xticks=nprocs, ylim=(0, None))  # (efficiency may pass 100%)
         ax.grid(alpha=0.3)
         ax.legend()
-    ax1.set_ylim(bottom=0)
-    ax2.set_ylim(0, 110)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -258,10 +256,9 @@ def parse_list(name: str, text: str, parse, allowed=None, minimum: int = 1, one:
 
 def main(argv=None):
     args = sys.argv[1:] if argv is None else list(argv)
-    if "-h" in args or "--help" in args:  # this tool's usage, then train.py's settings
-        return print(f"{__doc__}\n{Config.defaults()}")
-    opts = {"nproc": "1,2", "strategies": "ddp", "steps": "10", "warmup": "3", "report": "out-bench",
-            "result": "", "synthetic_dir": ""}
+    if "-h" in args or "--help" in args:
+        return print(f"{__doc__}\n{Config.defaults()}")  # this tool's usage, then train.py's settings
+    opts = dict(nproc="1,2", strategies="", steps="10", warmup="3", report="out-bench", result="", synthetic_dir="")
     flags, cfg_args = {"--worker": False, "--profile": False}, []
     for arg in args:
         name, eq, value = arg[2:].partition("=")
@@ -280,15 +277,20 @@ def main(argv=None):
                       opts["report"] if flags["--profile"] else None)
 
     nprocs = parse_list("nproc", opts["nproc"], int)
-    strategies = parse_list("strategies", opts["strategies"], str, CHOICES["strategy"])
     cfg = resolve(cfg_args)  # a bad config, device, dataset or size fails here, once, not in every worker
-    meta = None if synthetic(cfg_args) else Dataset(cfg).meta
-    shape = GPTConfig(**cfg.model_args((meta or {"vocab_size": GPT2_VOCAB})["vocab_size"]))
-    for n in nprocs:  # as rank 0 of n processes will see it: the global batch and fsdp_shard_size must split
-        world = setup(cfg, claim=False, world=World(size=n, local_size=n))
-        for strategy in strategies:
-            problem = memory_problem(shape, cfg, dataclasses.replace(world, strategy=strategy if n > 1 else "ddp"))
-            if problem:
+    if cfg.init_from == "resume":
+        raise ConfigError("bench.py times a run from scratch or from GPT-2's weights: leave init_from=resume out")
+    strategies = parse_list("strategies", opts["strategies"] or cfg.strategy, str, CHOICES["strategy"])
+    meta = (Dataset(cfg).meta if not synthetic(cfg_args) else None) or {"vocab_size": GPT2_VOCAB, "tokenizer": "gpt2"}
+    for strategy in strategies:
+        try:
+            cfg = resolve(cfg_args + FIXED + [f"--strategy={strategy}"])  # as the workers will
+        except ConfigError as e:
+            raise ConfigError(f"the {strategy} run: {e}") from None
+        shape = GPTConfig(**(pretrained.model_args(cfg.init_from, cfg, meta) if pretrained.is_pretrained(cfg.init_from)
+                             else cfg.model_args(meta["vocab_size"])))  # (GPT-2's read here: offline, it fails now)
+        for n in nprocs:  # as rank 0 of n processes will see it: the global batch and fsdp_shard_size must split
+            if problem := memory_problem(shape, cfg, setup(cfg, claim=False, world=World(size=n, local_size=n))):
                 raise ConfigError(problem)
     report = Path(opts["report"])
     if not opts["report"] or report.exists() and not report.is_dir():  # (empty: an unset shell variable)
@@ -310,19 +312,17 @@ def measure(strategies: list, nprocs: list, cfg_args: list, steps: int, warmup: 
     with tempfile.TemporaryDirectory() as tmp:
         for strategy in strategies:
             for n in nprocs:
-                same = next((r for r in rows if r["strategy"] == "ddp" and r["nproc"] == 1), None)
-                if n == 1 and same is not None:  # one process shards nothing: fsdp runs as ddp
-                    rows.append({**same, "strategy": strategy, "measured_as": "ddp"})
+                if n == 1 and (same := next((r for r in rows if r["strategy"] == "ddp" and r["nproc"] == 1), None)):
+                    rows.append({**same, "strategy": strategy, "measured_as": "ddp"})  # 1 process: fsdp is ddp
                     continue
                 result = Path(tmp) / f"{strategy}-{n}.json"
-                extra = [f"--strategy={strategy}"]
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                        str(REPO / "bench.py"), "--worker", f"--result={result}", f"--steps={steps}",
-                       f"--warmup={warmup}", f"--report={report}", *cfg_args, *extra]
-                cmd += [f"--synthetic_dir={tmp}"] if synthetic(cfg_args) else []
-                cmd += ["--profile"] if profile else []
+                       f"--warmup={warmup}", f"--report={report}", *cfg_args, f"--strategy={strategy}",
+                       *[f"--synthetic_dir={tmp}"] * synthetic(cfg_args), *["--profile"] * profile,
+                       *["--debug"] * ("--debug" in sys.argv)]  # (the workers' tracebacks, too)
                 print(f"--- {strategy}, {n} process{'es' if n > 1 else ''}", flush=True)
-                proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # here: relative paths as given
+                proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # here: relative paths hold
                 if proc.returncode:
                     raise RunError(f"the {strategy} run on {n} process{'es' * (n > 1)} failed "
                                    f"(exit {proc.returncode}): see its output above")

@@ -27,7 +27,8 @@ def report(tmp_path_factory):
     (here / "tiny.py").write_text('n_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\nbatch_size = 4\n'
                                   'global_batch_size = 8\ndtype = "float32"\ndevice = "cpu"\n')
     proc = run([sys.executable, str(REPO / "bench.py"), "tiny.py", "--nproc=1,2", "--strategies=ddp,fsdp",
-                "--steps=2", "--warmup=1", "--report=report", "--profile"], timeout=600, cwd=here)
+                "--steps=2", "--warmup=1", "--report=report", "--profile",
+                "--hellaswag_interval=5"], timeout=600, cwd=here)  # (ignored: a bench run evaluates nothing)
     return here / "report", proc.stdout
 
 
@@ -100,7 +101,10 @@ def test_bench_bad_arguments_are_one_line(script, tmp_path):
                          (["--nproc=1,1"], "--nproc=1,1 repeats a value"),
                          (["--steps=5,10"], "--steps=5,10: give a number"), (["--warmup=1,2"], "--warmup=1,2: give"),
                          (["--steps", "20"], "'--steps': write --steps=VALUE"),  # (once: unknown config name)
-                         (["--profile=True"], "'--profile=True': --profile takes no value")):
+                         (["--profile=True"], "'--profile=True': --profile takes no value"),
+                         (["--init_from=resume"], "bench.py times a run from scratch or from GPT-2's weights"),
+                         (["--strategies=ddp,fsdp", "--strategy=fsdp", "--fsdp_shard_size=1"],  # (the ddp worker's)
+                          "the ddp run: fsdp_shard_size=1 shards the model: it needs --strategy=fsdp")):
         proc = script("bench.py", *args)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
@@ -200,9 +204,23 @@ def test_a_worker_that_fails_while_running_is_a_failed_run(monkeypatch, tmp_path
 
     import bench
     from errors import RunError
-    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, env: subprocess.CompletedProcess(cmd, 1))
+    commands = []
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, env: commands.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 1))
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--debug"])
     with pytest.raises(RunError, match="the ddp run on 1 process failed \\(exit 1\\)"):
         bench.measure(["ddp"], [1], ["--device=cpu"], 1, 0, tmp_path, False)
+    assert commands[0][-1] == "--debug"  # the workers show their tracebacks too
+
+
+def test_bench_measures_the_configs_strategy_unless_told_otherwise(monkeypatch, tmp_path):
+    import bench
+    measured = []  # (--strategy=fsdp was measured as ddp: --strategies' default overrode it)
+    monkeypatch.setattr(bench, "measure", lambda strategies, *args: measured.append(strategies))
+    monkeypatch.setattr(bench, "write_report", lambda *args: None)
+    for extra in ([], ["--strategies=ddp,fsdp"]):
+        bench.main(["--device=cpu", "--strategy=fsdp", "--nproc=2", f"--report={tmp_path}", *extra])
+    assert measured == [["fsdp"], ["ddp", "fsdp"]]
 
 
 def test_gpu_summary_tabulates_nanogpt_llmc_and_our_runs(tmp_path, capsys):
