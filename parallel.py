@@ -35,7 +35,7 @@ def build(make_model, world: World, reshard: bool):
         return make_model().to(world.device)
     with torch.device("meta") if not world.is_master else nullcontext():
         model = make_model()
-    full = model.state_dict() if world.is_master else {}
+    full = {"model": model.state_dict() if world.is_master else None}
     shard(model.to(world.device) if world.is_master else model, world, reshard)
     if not world.is_master:
         model.to_empty(device=world.device)  # room for this rank's shards, then rank 0's values
@@ -131,10 +131,11 @@ def by_position(optim_sd: dict) -> dict:
     return rekey(optim_sd, {n: i for i, n in enumerate(n for g in optim_sd["param_groups"] for n in g["params"])})
 
 
-def load_full_state(raw_model, optimizer, world: World, model_sd: dict, optim_sd: dict = None):
-    """Load a full state that rank 0 holds (the others pass empty dicts, and optim_sd=None on
-    every rank to leave the optimizer as it is). PyTorch's state-dict API broadcasts it tensor
-    by tensor, so no rank holds a second whole copy; under FSDP each rank keeps its shard."""
+def load_full_state(raw_model, optimizer, world: World, ckpt: dict):
+    """Load the full state rank 0's ckpt holds: "model", and "optimizer" where it has that key (the
+    other ranks' values are None). PyTorch's state-dict API broadcasts it tensor by tensor, so no
+    rank holds a second whole copy; under FSDP each rank keeps its shard."""
+    model_sd, optim_sd = ckpt["model"] or {}, (ckpt["optimizer"] or {}) if "optimizer" in ckpt else None
     if world.size == 1:
         raw_model.load_state_dict(model_sd)
         if optim_sd is not None:

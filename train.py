@@ -33,7 +33,8 @@ import sharded
 from collectives import (Agreement, agree_or_raise, any_rank, collective_failures_explained, differs_from_rank0,
                          first_error, on_rank0, process_group)
 from config import PER_HOST, Config, resolve
-from errors import CheckpointNotWritten, ConfigError, Diverged, LogNotWritten, first_line, reported
+from errors import (CheckpointNotWritten, ConfigError, Diverged, LogNotWritten, UnreadableCheckpoint, first_line,
+                    reported)
 from evals import hellaswag
 from evals.loss import val_loss
 from loader import Dataset, ShardedTokenLoader, eval_starts, token_splits
@@ -143,8 +144,9 @@ class Run:
         if ckpt.get("sharded"):  # every rank loads its own shards
             sharded.load_run(Path(ckpt["path"]), self.raw_model, self.optimizer, ckpt, self.world)
         else:
-            parallel.load_full_state(self.raw_model, self.optimizer, self.world, ckpt["model"] or {},
-                                     ckpt["optimizer"] or {})
+            parallel.load_full_state(self.raw_model, self.optimizer, self.world, ckpt)
+        if not parallel.all_finite(self.raw_model, self.world):  # (save() refuses them: not written by a run)
+            raise UnreadableCheckpoint(f"cannot read checkpoint {ckpt['path']}: its weights hold NaN or inf")
         for group, mine in zip(self.optimizer.param_groups, chosen):  # AdamW as this run set it, not as saved
             group.update(mine)
         self.step, self.best_val_loss, self.val_loss = ckpt["step"], ckpt["best_val_loss"], ckpt.get("val_loss")
@@ -233,7 +235,7 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
     ckpt = checkpoint.resume(cfg, model_args, world, run.load_state_dict, meta)
     if ckpt is None and pretrained.is_pretrained(cfg.init_from):
         ckpt = on_rank0(lambda: {"model": pretrained.load_state(cfg.init_from, raw_model)}, world, ("model",))
-        parallel.load_full_state(raw_model, optimizer, world, ckpt["model"] or {})
+        parallel.load_full_state(raw_model, optimizer, world, ckpt)
     del ckpt  # rank 0's whole copy, and under FSDP its whole first model, are garbage now:
     release_freed_memory()  # back to the OS, or glibc keeps them resident through training
     run.model = parallel.wrap(torch.compile(raw_model) if cfg.compile else raw_model, raw_model, world)

@@ -87,7 +87,8 @@ def test_a_torch_compile_that_fails_is_one_line(char_data, tmp_path, capsys, mon
 
 
 @pytest.mark.parametrize("damage, reason", [("truncated", "it is truncated"), ("random bytes", ""),
-                                           ("a flipped bit", "its bytes are damaged (record archive/data/")])
+                                           ("a flipped bit", "its bytes are damaged (record archive/data/"),
+                                           ("a NaN weight", "its weights hold NaN or inf")])  # (resumed, diverged)
 def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained_copy, tmp_path, char_data,
                                                                          capsys, damage, reason):
     out = trained_copy
@@ -98,6 +99,10 @@ def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained
         data[data.find(weight) + len(weight) // 2] ^= 1
     last.write_bytes(data[: len(data) // 2] if damage == "truncated" else
                      data if damage == "a flipped bit" else os.urandom(len(data)))
+    if damage == "a NaN weight":  # other code's: a run never saves one
+        ckpt = torch.load(out / "previous.pt", weights_only=True)
+        ckpt["model"]["transformer.ln_f.weight"][0] = float("nan")
+        torch.save({**ckpt, "step": 10}, last)
     result = train_here(char_data, out, max_iters=10, eval_interval=5, resume="auto")
     printed = capsys.readouterr()
     printed = printed.out + printed.err  # the warning goes to stderr
