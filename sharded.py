@@ -262,10 +262,12 @@ def check_shared(folder: Path, world, what: str):
             seen = digest(folder / name) == expected
         except OSError:
             seen = False
+        fix = (f"make it a file that rank 0 alone reads, on rank 0's host: python scripts/convert_checkpoint.py "
+               f"{where} {Path(where).parent}/converted.pt, then pass --resume= that file" if folder.suffix == ".dcp"
+               else "use --checkpoint_format=file, which needs none")
         agree_or_raise(None if seen else
                        f"rank {world.rank} on {socket.gethostname()} does not see rank 0's {where} ({what}): "
-                       f"checkpoint_format=sharded needs storage every rank sees (a shared filesystem); "
-                       f"use --checkpoint_format=file, which needs none", world)
+                       f"a sharded checkpoint needs storage every rank sees (a shared filesystem); {fix}", world)
     finally:
         if probe is not None and probe.suffix == ".tmp":
             probe.unlink(missing_ok=True)

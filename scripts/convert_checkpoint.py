@@ -25,7 +25,8 @@ from errors import ArgumentParser, ConfigError, first_line, reported  # noqa: E4
 def main(argv=None):
     p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("source", type=Path, help="a sharded checkpoint folder, e.g. out/last.dcp")
-    p.add_argument("dest", type=Path, help="the .pt file to write (replaced atomically if it exists)")
+    p.add_argument("dest", type=Path, help="the .pt file to write (replaced atomically if it exists, unless it "
+                                           "holds a later step)")
     args = p.parse_args(argv)
     if args.source.suffix != ".dcp" or not args.source.is_dir():
         raise ConfigError(f"{args.source} is not a sharded checkpoint folder (NAME.dcp) train.py wrote")
@@ -43,6 +44,13 @@ def main(argv=None):
         problem = f"{type(e).__name__}: {first_line(e)}"
     if problem:
         raise ConfigError(f"{args.source}: {problem}: nothing converted")
+    try:  # (out/last.pt after a switch from the sharded format is newer than out/last.dcp: it would be lost)
+        held = checkpoint.read(args.dest, tensors=False)["step"] if args.dest.exists() else None
+    except (ConfigError, LookupError, TypeError):  # not a checkpoint: replaced, as --help says
+        held = None
+    if type(held) is int and held > state["step"]:
+        raise ConfigError(f"{args.dest} holds step {held}, newer than {args.source}'s {state['step']}: write "
+                          f"another file (e.g. {args.dest.with_name('converted.pt')}), or delete it first")
     try:
         checkpoint.write(state, args.dest)
     except OSError as e:

@@ -87,6 +87,11 @@ def test_sample_and_export_read_a_sharded_run(sharded, tmp_path, script):
     assert ran.returncode == 0 and len(ran.stdout.strip()) >= 10, ran.stderr
     ran = script("scripts/export_hf.py", f"--out_dir={sharded}", "--checkpoint=last", f"--to={tmp_path / 'hf'}")
     assert ran.returncode == 0 and "last.dcp (step 12)" in ran.stdout, ran.stderr
+    for tool in ("sample.py", "eval.py", "scripts/export_hf.py"):  # (was "no best.pt ... in out/last.dcp")
+        ran = script(tool, f"--out_dir={sharded / 'last.dcp'}", *[f"--to={tmp_path / 'hf'}"] * ("export" in tool))
+        assert ran.returncode == 2 and ran.stderr == (f"error: out_dir {sharded / 'last.dcp'} is a checkpoint: pass "
+                                                      f"the run's folder with --out_dir (or train first: python "
+                                                      f"train.py)\n"), ran.stderr
 
 
 class Exploit:
@@ -227,6 +232,18 @@ def test_the_converter_checks_a_folder_before_writing(sharded, tmp_path, script,
     assert ran.returncode == 2 and ran.stderr == (f"error: {out / 'previous.dcp'}: its weights or moments hold NaN or inf: "
                                                   f"nothing converted\n"), ran.stderr
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_the_converter_does_not_replace_a_newer_checkpoint(sharded, tmp_path, script):
+    """(convert out/last.dcp out/last.pt after a switch to the file format lost the newer last.pt)"""
+    assert script("scripts/convert_checkpoint.py", sharded / "last.dcp", tmp_path / "x.pt").returncode == 0  # step 12
+    before = (tmp_path / "x.pt").read_bytes()
+    ran = script("scripts/convert_checkpoint.py", sharded / "previous.dcp", tmp_path / "x.pt")  # step 8
+    assert ran.returncode == 2 and ran.stderr == (
+        f"error: {tmp_path / 'x.pt'} holds step 12, newer than {sharded / 'previous.dcp'}'s 8: write another file "
+        f"(e.g. {tmp_path / 'converted.pt'}), or delete it first\n"), ran.stderr
+    assert (tmp_path / "x.pt").read_bytes() == before
+    assert script("scripts/convert_checkpoint.py", sharded / "last.dcp", tmp_path / "x.pt").returncode == 0  # same step
 
 
 @pytest.mark.slow  # mount and umount are processes
