@@ -190,8 +190,9 @@ def load_file(path: str) -> dict:
     except (Exception, SystemExit) as e:  # a config file may not end the program
         lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
         where = f"{path}, line {lines[-1]}" if lines else path
-        raise ConfigError(f"{where}: {type(e).__name__}: {first_line(e)}") from None
-    skip = (types.ModuleType, types.FunctionType, type)
+        own = " (a config file sees only the names it sets, not the defaults)" * isinstance(e, NameError)
+        raise ConfigError(f"{where}: {type(e).__name__}: {first_line(e)}{own}") from None
+    skip = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)  # (import os, from math import exp)
     return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, skip)}
 
 
@@ -271,7 +272,8 @@ def resolve(args: list[str]) -> Config:
                 try:
                     values[name] = check_type(name, value)
                 except ConfigError as e:  # (of several files given, say which)
-                    raise ConfigError(f"{arg}: {e}") from None
+                    own = " (or start a helper name of the file's own with _)" * (name not in FIELD_TYPES)
+                    raise ConfigError(f"{arg}: {e}{own}") from None
         else:
             raise ConfigError(f"'{arg}' is neither a config file (.py) nor a --name=value override")
     return validate(Config(**values))

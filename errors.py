@@ -117,9 +117,11 @@ class GlobalBatchIndivisible(ConfigError):
     def __init__(self, global_batch_size: int, batch_size: int, world_size: int):
         per_round = batch_size * world_size
         near = max(per_round, round(global_batch_size / per_round) * per_round)
+        keep = next((b for b in range(batch_size - 1, 0, -1) if global_batch_size % (b * world_size) == 0), None)
         super().__init__(
             f"global_batch_size ({global_batch_size}) must be divisible by batch_size ({batch_size}) "
-            f"x world size ({world_size}) = {per_round}: try --global_batch_size={near}")
+            f"x world size ({world_size}) = {per_round}: try --global_batch_size={near}"
+            + (f", or --batch_size={keep}, which keeps the global batch (a resume must)" if keep else ""))
 
 
 class OutDirUnwritable(ConfigError):

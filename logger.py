@@ -49,8 +49,9 @@ class Logger:
                 self.wandb = wandb.init(project=cfg.wandb_project, config=cfg.to_dict(), dir=cfg.out_dir,
                                         name=cfg.wandb_run_name or Path(cfg.out_dir).name)
             except Exception as e:  # no API key, no network, not installed
-                self.start_failure = (f"wandb could not start ({type(e).__name__}: {first_line(e)}): run `wandb "
-                                      f"login`, or set WANDB_MODE=offline, or use --wandb_log=false")
+                fix = "pip install wandb" if isinstance(e, ImportError) else "`wandb login`, or set WANDB_MODE=offline"
+                self.start_failure = (f"wandb could not start ({type(e).__name__}: {first_line(e)}): run {fix}, "
+                                      f"or use --wandb_log=false")
                 return  # a run refused leaves out_dir's log as it was
         self.metrics, self.lock = Path(cfg.out_dir) / "metrics.jsonl", Path(cfg.out_dir) / "run.lock"
         # a fresh run starts a new log; a resumed one keeps the history its checkpoint holds (written
@@ -103,7 +104,8 @@ class Logger:
             tokens_per_step=cfg.tokens_per_step, model=run.model_args))
         log.say(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | tokens per optimizer step: "
                 f"{cfg.tokens_per_step:,} = {cfg.global_batch_size} sequences x {cfg.block_size} tokens "
-                f"({cfg.batch_size} per micro-batch x {world.size} processes x {world.accum} accumulation steps)")
+                f"({cfg.batch_size} per micro-batch x {world.size} process{'es' * (world.size > 1)} x {world.accum} "
+                f"accumulation steps)")
         if run.resumed_from:
             log.say(f"resuming from {run.resumed_from} at step {run.step}" + (run.step >= cfg.max_iters) *
                     f", max_iters={cfg.max_iters}: nothing is left to train (raise --max_iters to go on)")

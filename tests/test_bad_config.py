@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -183,7 +184,7 @@ CASES = [
      r"try --global_batch_size=12"),
     ("global batch vs world size", ["--global_batch_size=12"], None,
      r"global_batch_size \(12\) must be divisible by batch_size \(4\) x world size \(2\) = 8: "
-     r"try --global_batch_size=16"),
+     r"try --global_batch_size=16, or --batch_size=3, which keeps the global batch \(a resume must\)$"),
     ("block_size longer than val", ["--block_size=7000"], None,
      r"block_size \(7000\) is too long for the val split of .* \(6,002 tokens; it needs 7,001\)"),
     ("block_size too long for train", [],  # a window may start at any offset: two blocks at least
@@ -567,6 +568,9 @@ def test_wandb_that_cannot_start_is_one_line(char_data, tmp_path, script, monkey
         "error: wandb could not start (UsageError: No API key configured. Use `wandb login` to log to W&B.): "
         "run `wandb login`, or set WANDB_MODE=offline, or use --wandb_log=false\n"), proc.stderr
     assert old_log.read_text() == '{"step": 1, "loss": 3.0}\n'
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: `wandb login` would not help
+    proc = script("train.py", *tiny_args(char_data, tmp_path / "out", wandb_log=True, max_iters=2))
+    assert proc.returncode == 2 and proc.stderr.endswith("): run pip install wandb, or use --wandb_log=false\n")
 
 
 def test_a_log_history_that_cannot_be_read_is_one_line(char_data, tmp_path, script, monkeypatch):

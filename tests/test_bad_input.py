@@ -128,7 +128,9 @@ def test_a_resume_at_or_past_max_iters_says_nothing_is_left_to_train(trained_cop
     """It exited 0 with no word after "resuming from"."""
     before = (trained_copy / "last.pt").read_bytes()
     assert train_here(char_data, trained_copy, max_iters=5, eval_interval=5, resume="auto")["step"] == 10
-    assert "at step 10, max_iters=5: nothing is left to train (raise --max_iters to go on)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "at step 10, max_iters=5: nothing is left to train (raise --max_iters to go on)" in printed
+    assert "(4 per micro-batch x 1 process x 2 accumulation steps)" in printed  # (not "1 processes")
     assert (trained_copy / "last.pt").read_bytes() == before
 
 

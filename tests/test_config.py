@@ -7,14 +7,15 @@ from config import Config, ConfigError, parse_value, resolve
 
 def test_file_then_overrides_resolve_in_order(tmp_path):
     cfg_file = tmp_path / "exp.py"
-    cfg_file.write_text("import math\n# a comment\nn_layer = 6\nlearning_rate = 1e-3\n"
-                        "max_iters = 200\nlr_decay_iters = max_iters * 2\ndataset = 'shakespeare'\n")
+    cfg_file.write_text("import math\nfrom math import sqrt\n# a comment\nn_layer = 6\nlearning_rate = 1e-3\n"
+                        "max_iters = 200\nlr_decay_iters = max_iters * 2\ndataset = 'shakespeare'\n"
+                        "n_embd = int(sqrt(1024))\n_tokens = 4 * 32\n")  # (sqrt was an unknown config name)
     cfg = resolve([str(cfg_file), "--n_layer=3", "--learning_rate=2", "--compile=true",
                    "--out_dir=out-7", "--min_lr=None"])
     assert cfg.n_layer == 3                        # the override wins over the file
     assert cfg.learning_rate == 2.0 and isinstance(cfg.learning_rate, float)  # int stands for float
     assert cfg.lr_decay_iters == 400               # the file is real Python
-    assert cfg.dataset == "shakespeare"            # from the file
+    assert cfg.dataset == "shakespeare" and cfg.n_embd == 32  # from the file
     assert cfg.compile is True and cfg.out_dir == "out-7" and cfg.min_lr is None
     assert cfg.n_head == Config().n_head           # untouched names keep their defaults
 
@@ -24,7 +25,12 @@ def test_unknown_name_suggests_the_closest_valid_name(tmp_path):
         resolve(["--n_layers=4"])
     cfg_file = tmp_path / "typo.py"
     cfg_file.write_text("learnig_rate = 0.1\n")
-    with pytest.raises(ConfigError, match=f"^{cfg_file}: unknown config name 'learnig_rate'.*'learning_rate'"):
+    with pytest.raises(ConfigError, match=f"^{cfg_file}: unknown config name 'learnig_rate'.*'learning_rate'\\? "
+                                          f"\\(or start a helper name of the file's own with _\\)$"):
+        resolve([str(cfg_file)])
+    cfg_file.write_text("lr_decay_iters = max_iters\n")  # nanoGPT's configurator ran files among the defaults
+    with pytest.raises(ConfigError, match="line 1: NameError: name 'max_iters' is not defined \\(a config file sees "
+                                          "only the names it sets, not the defaults\\)$"):
         resolve([str(cfg_file)])
     cfg_file.write_text('batch_size = "4"\n')  # of two files given, the one at fault is named
     (tmp_path / "good.py").write_text("batch_size = 4\n")
