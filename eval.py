@@ -97,8 +97,8 @@ def main(argv=None):
             print(f"{args.data_dir or args.dataset} val loss {loss:.4f} over {len(val[1])} windows of "
                   f"{model.config.block_size} tokens")
         if score and score.truncated:
-            print(f"note: {score.truncated} contexts did not fit block_size "
-                  f"({model.config.block_size}) with their endings and lost tokens from their left")
+            print(f"note: {score.truncated} examples did not fit block_size ({model.config.block_size}): their "
+                  f"contexts lost tokens from the left (an ending still too long, from its end)")
         if score:
             print(score.line())
     return score

@@ -192,7 +192,7 @@ class Logger:
     def hellaswag(self, step: int, score):
         self.log({"step": step, "hellaswag_acc": score.acc, "hellaswag_acc_norm": score.acc_norm,
                   "hellaswag_examples": score.examples, "hellaswag_truncated": score.truncated},
-                 f"step {step}: {score.line()}" + (f" ({score.truncated} contexts cut to block_size)"
+                 f"step {step}: {score.line()}" + (f" ({score.truncated} examples cut to block_size)"
                                                    if score.truncated else ""))
         self.restart_clock(step)
 

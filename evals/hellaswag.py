@@ -75,7 +75,8 @@ def parse_line(line: str, where: str) -> tuple:
     try:
         example = parse_json(line)
     except ValueError:
-        raise ConfigError(f"{where} is not JSON: {line[:60]!r}") from None
+        raise ConfigError(f"{where} is not JSON: {line[:60]!r} (each line is one JSON object, as in the official "
+                          f"hellaswag_val.jsonl)") from None
     if not isinstance(example, dict):
         raise ConfigError(f"{where} is not a JSON object with ctx, endings and label")
     missing = [key for key in ("ctx", "endings", "label") if key not in example]
@@ -83,6 +84,7 @@ def parse_line(line: str, where: str) -> tuple:
         raise ConfigError(f"{where} lacks {', '.join(missing)}: each line needs ctx, endings and label, as "
                           f"in the official hellaswag_val.jsonl")
     ctx, endings, label = example["ctx"], example["endings"], example["label"]
+    label = int(label) if label in ("0", "1", "2", "3") else label  # (Hugging Face's copy writes it as a string)
     if not isinstance(ctx, str) or not ctx.strip():
         raise ConfigError(f"{where}: ctx must be a non-empty string")
     if not isinstance(endings, list) or len(endings) != ENDINGS or not all(isinstance(e, str) for e in endings):
@@ -102,7 +104,7 @@ def read_examples(path: Path, limit: int = 0) -> list:
         with open(path, "rb") as f:
             for n, raw in enumerate(f, 1):
                 try:
-                    line = raw.decode("utf-8")
+                    line = raw.decode("utf-8-sig")  # (-sig: a byte-order mark is no JSON)
                 except UnicodeDecodeError as e:
                     raise ConfigError(f"{path}, line {n} is not UTF-8 text ({e.reason} at byte {e.start} "
                                       f"of the line)") from None
@@ -111,7 +113,7 @@ def read_examples(path: Path, limit: int = 0) -> list:
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
     if not examples:
-        raise ConfigError(f"{path} holds no examples")
+        raise ConfigError(f"{path} holds no examples: give hellaswag_val.jsonl, one JSON object a line")
     return examples[:limit] if limit > 0 else examples
 
 
@@ -123,7 +125,7 @@ class Example:
     rows: list        # four token lists: the context, then one ending each
     start: int        # where the endings begin: the context's length
     label: int
-    truncated: bool   # the context lost tokens from its left to fit block_size
+    truncated: bool   # cut to fit block_size: the context lost tokens from its left (or an ending from its end)
 
 
 def render(ctx: str, endings: list, label: int, encode, block_size: int) -> Example:
@@ -135,7 +137,7 @@ def render(ctx: str, endings: list, label: int, encode, block_size: int) -> Exam
     context = encode(ctx)
     ends = [encode(" " + e) for e in endings]
     keep = max(1, block_size + 1 - max(map(len, ends)))
-    truncated = len(context) > keep
+    truncated = len(context) > keep or max(map(len, ends)) > block_size  # (the ending: with one context token)
     context = context[-keep:]
     ends = [e[:block_size + 1 - len(context)] for e in ends]
     return Example([context + e for e in ends], len(context), label, truncated)

@@ -135,6 +135,8 @@ def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path
     assert not fits.truncated and fits.start == 6  # 6 + 3 tokens: the model reads 8, which fit
     cut = hellaswag.render("a b c d e f", ["w " * 10, "x", "y", "z"], 0, enc.encode_ordinary, 4)
     assert cut.start == 1 and max(map(len, cut.rows)) == 5  # one context token kept; the long ending is cut
+    one = hellaswag.render("a", ["w " * 10, "x", "y", "z"], 0, enc.encode_ordinary, 4)
+    assert one.truncated and max(map(len, one.rows)) == 5  # (only its ending was cut: it went uncounted)
     path = write_examples(tmp_path / "long.jsonl", 12, seed=1, ctx_words=(2, 40))
     examples = hellaswag.load(str(path), block_size=24)
     long = sum(len(enc.encode_ordinary(json.loads(line)["ctx"])) + max(len(enc.encode_ordinary(" " + e)) for e in
@@ -145,8 +147,8 @@ def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path
     transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=50257, n_positions=24, n_embd=32, n_layer=2, n_head=2)).save_pretrained(short)
     out = run_eval(["--init_from", short, "--hellaswag", path], capsys)
-    assert out[-2] == (f"note: {long} contexts did not fit block_size (24) with their endings and lost tokens "
-                       f"from their left")
+    assert out[-2] == (f"note: {long} examples did not fit block_size (24): their contexts lost tokens from the "
+                       f"left (an ending still too long, from its end)")
     assert LINE.fullmatch(out[-1]) and out[-1].endswith("over 12 examples")
     with pytest.raises(ConfigError, match="block_size of at least 2, not 1"):  # no ending token would be scored
         hellaswag.load(str(path), block_size=1)
@@ -163,6 +165,8 @@ def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path
     ('{"ctx": "a", "endings": ["b", "c", "d", 5], "label": 0}', "list of 4 strings, got 5"),  # (was "got 4 items")
     ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 4}', "label must be 0, 1, 2 or 3"),
     ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": true}', "label must be 0, 1, 2 or 3"),  # not 1
+    ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": "4"}', "label must be 0, 1, 2 or 3, got '4'"),
+    ("{not json", "(each line is one JSON object, as in the official hellaswag_val.jsonl)"),
     ('["a", "b"]', "is not a JSON object"),
     (b'{"ctx": "\xff"}', "is not UTF-8 text (invalid start byte at byte 9 of the line)"),  # once the byte of a chunk
 ])
@@ -174,6 +178,14 @@ def test_a_malformed_line_is_one_error_naming_its_number(hf_folder, hs_file, tmp
     assert f"{bad}, line 5" in error and needle in error
 
 
+def test_a_byte_order_mark_and_labels_written_as_strings_read_as_the_official_file(hs_file, tmp_path):
+    """(Hugging Face's copy of HellaSwag writes label as "3"; an editor may add a byte-order mark)"""
+    lines = open(hs_file, encoding="utf-8").read().splitlines()
+    as_strings = [json.dumps({**json.loads(line), "label": str(json.loads(line)["label"])}) for line in lines]
+    (tmp_path / "hf.jsonl").write_text("\ufeff" + "\n".join(as_strings) + "\n", encoding="utf-8")
+    assert hellaswag.read_examples(tmp_path / "hf.jsonl") == hellaswag.read_examples(hs_file)
+
+
 def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_folder, hs_file, tmp_path, capsys,
                                                                          monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -183,7 +195,7 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
     assert "does not exist" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path / "nowhere.jsonl"], capsys)
     assert f"HellaSwag file {tmp_path} is a folder" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path], capsys)
     (tmp_path / "blank.jsonl").write_text("\n  \n")
-    assert "blank.jsonl holds no examples" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path / "blank.jsonl"],
+    assert "blank.jsonl holds no examples: give hellaswag_val.jsonl, one JSON object a line" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path / "blank.jsonl"],
                                                     capsys)
     for bad, needle in [("--dist_timeout=-1", "--dist_timeout must be positive seconds"),
                         ("--dist_timeout=nan", "--dist_timeout must be positive seconds"),
