@@ -180,14 +180,13 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
 # the benchmark: one torchrun per combination, then the report
 
 def summarise(strategy: str, nproc: int, f: dict) -> dict:
-    mean = statistics.mean(f["step_times"])
+    mean, nosync = statistics.mean(f["step_times"]), f["step_times_nosync"]
     return dict(strategy=strategy, nproc=nproc, global_batch_size=f["config"]["global_batch_size"],
                 batch_size=f["config"]["batch_size"], accumulation_steps=f["accumulation_steps"],
                 tokens_per_step=f["tokens_per_step"], step_time_s=mean,
                 step_time_std_s=statistics.pstdev(f["step_times"]), step_time_min_s=min(f["step_times"]),
                 step_time_max_s=max(f["step_times"]), tokens_per_sec=f["tokens_per_step"] / mean,
-                comm_share=(max(0.0, 1 - statistics.mean(f["step_times_nosync"]) / mean)
-                            if f["step_times_nosync"] else 0.0),
+                comm_share=max(0.0, 1 - statistics.mean(nosync) / mean) if nosync else 0.0,
                 peak_memory_bytes=max(f["peak_memory"]), memory_kind=f["memory_kind"],
                 state_bytes=f["state_bytes"], mfu=f["mfu"], raw=f)
 
@@ -258,7 +257,7 @@ def main(argv=None):
     args = sys.argv[1:] if argv is None else list(argv)
     if "-h" in args or "--help" in args:
         return print(f"{__doc__}\n{Config.defaults()}")  # this tool's usage, then train.py's settings
-    opts = dict(nproc="1,2", strategies="", steps="10", warmup="3", report="out-bench", result="", synthetic_dir="")
+    opts = dict(nproc="1,2", strategies=None, steps="10", warmup="3", report="out-bench", result="", synthetic_dir="")
     flags, cfg_args = {"--worker": False, "--profile": False}, []
     for arg in args:
         name, eq, value = arg[2:].partition("=")
@@ -280,7 +279,8 @@ def main(argv=None):
     cfg = resolve(cfg_args)  # a bad config, device, dataset or size fails here, once, not in every worker
     if cfg.init_from == "resume":
         raise ConfigError("bench.py times a run from scratch or from GPT-2's weights: leave init_from=resume out")
-    strategies = parse_list("strategies", opts["strategies"] or cfg.strategy, str, CHOICES["strategy"])
+    strategies = parse_list("strategies", opts["strategies"] is None and cfg.strategy or opts["strategies"], str,
+                            CHOICES["strategy"])
     meta = (Dataset(cfg).meta if not synthetic(cfg_args) else None) or {"vocab_size": GPT2_VOCAB, "tokenizer": "gpt2"}
     for strategy in strategies:
         try:

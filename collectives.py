@@ -160,7 +160,8 @@ def _join(world, dist_timeout: float):
     address = ":".join(os.environ.get(k, f"({k} unset)") for k in ("MASTER_ADDR", "MASTER_PORT"))
     timeout = timedelta(seconds=dist_timeout)
     # The store's handshake has no timeout: a program that accepts on MASTER_PORT and never
-    # answers (not a torch store) would hold this rank forever. Both waits below take at most
+    # answers (not a torch store) would hold this rank forever. The rendezvous, and then the
+    # world-size read and init_process_group (which wait on the same peers), take at most
     # dist_timeout each, so past twice that nothing will come.
     silent = TimeoutError(f"nothing answered at {address}: is another program listening on MASTER_PORT?")
     watchdog = threading.Timer(2 * dist_timeout + 2, _give_up,
@@ -173,9 +174,10 @@ def _join(world, dist_timeout: float):
         # torchrun restarts a failed group against the same store, where a dead peer's address
         # lingers for a new rank to read: a prefix per attempt keeps each attempt's keys apart.
         store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        if world.rank == 0:  # a rank told another WORLD_SIZE would wait out dist_timeout for peers that never come
+        by_hand = "TORCHELASTIC_RUN_ID" not in os.environ  # (torchrun's ranks agree; its restarts share the store)
+        if by_hand and world.rank == 0:  # a rank told another WORLD_SIZE would wait out dist_timeout for peers
             store.set("world_size", str(world.size))
-        if (size := int(store.get("world_size"))) != world.size:
+        if by_hand and (size := int(store.get("world_size"))) != world.size:
             raise ConfigError(f"WORLD_SIZE is {world.size} here but {size} on rank 0: start every rank with the same")
         dist.init_process_group(world.backend, store=store, rank=world.rank, world_size=world.size, timeout=timeout)
     except ConfigError:

@@ -190,8 +190,8 @@ def load_file(path: str) -> dict:
     except (Exception, SystemExit) as e:  # a config file may not end the program
         lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
         where = f"{path}, line {lines[-1]}" if lines else path
-        own = " (a config file sees only the names it sets, not the defaults)" * isinstance(e, NameError)
-        raise ConfigError(f"{where}: {type(e).__name__}: {first_line(e)}{own}") from None
+        own = " (a config file sees only the names it sets: not the defaults, nor another file's)"
+        raise ConfigError(f"{where}: {type(e).__name__}: {first_line(e)}{own * isinstance(e, NameError)}") from None
     skip = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)  # (import os, from math import exp)
     return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, skip)}
 

@@ -52,6 +52,8 @@ def check(args):
         raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
     if args.no_hellaswag and not (args.dataset or args.data_dir):
         raise ConfigError("--no_hellaswag leaves nothing to evaluate: give --dataset or --data_dir for the loss")
+    if args.no_hellaswag and (args.hellaswag or args.limit):
+        raise ConfigError("--hellaswag and --limit choose HellaSwag's examples: not with --no_hellaswag")
     pretrained.check_source(args)
 
 

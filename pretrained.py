@@ -255,7 +255,7 @@ def check_source(args):
 
 def run_folder(out_dir) -> Path:
     """sample.py's, eval.py's and scripts/export_hf.py's --out_dir, checked before anything is loaded."""
-    if not Path(out_dir).is_dir() or Path(out_dir).suffix == ".dcp":  # (a sharded checkpoint is a folder)
+    if not Path(out_dir).is_dir() or Path(out_dir).suffix == ".dcp" and not (Path(out_dir) / "config.json").exists():
         what = "is a checkpoint" if Path(out_dir).suffix in (".dcp", ".pt") else "is not a folder"
         raise ConfigError(f"out_dir {out_dir} {what if Path(out_dir).exists() else 'does not exist'}: "
                           f"pass the run's folder with --out_dir (or train first: python train.py)")

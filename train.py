@@ -145,10 +145,10 @@ class Run:
             sharded.load_run(Path(ckpt["path"]), self.raw_model, self.optimizer, ckpt, self.world)
         else:
             parallel.load_full_state(self.raw_model, self.optimizer, self.world, ckpt)
-        if not parallel.all_finite(self.raw_model, self.world):  # (save() refuses them: not written by a run)
-            raise UnreadableCheckpoint(f"cannot read checkpoint {ckpt['path']}: its weights hold NaN or inf")
         for group, mine in zip(self.optimizer.param_groups, chosen):  # AdamW as this run set it, not as saved
             group.update(mine)
+        if not parallel.all_finite(self.raw_model, self.world):  # (save() refuses them: not written by a run)
+            raise UnreadableCheckpoint(f"cannot read checkpoint {ckpt['path']}: its weights hold NaN or inf")
         self.step, self.best_val_loss, self.val_loss = ckpt["step"], ckpt["best_val_loss"], ckpt.get("val_loss")
         self.resumed_from, self.saved = ckpt["path"], (Path(ckpt["path"]).name, ckpt["step"])
         if ckpt["scaler"] or not self.scaler.is_enabled():  # a disabled scaler ignores a saved one

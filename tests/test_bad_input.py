@@ -103,7 +103,7 @@ def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained
         ckpt = torch.load(out / "previous.pt", weights_only=True)
         ckpt["model"]["transformer.ln_f.weight"][0] = float("nan")
         torch.save({**ckpt, "step": 10}, last)
-    result = train_here(char_data, out, max_iters=10, eval_interval=5, resume="auto")
+    result = train_here(char_data, out, max_iters=10, eval_interval=5, resume="auto", weight_decay=0.05)
     printed = capsys.readouterr()
     printed = printed.out + printed.err  # the warning goes to stderr
     assert f"cannot read checkpoint {last}: {reason}" in printed
@@ -112,6 +112,8 @@ def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained
     assert result["step"] == 10
     # the damaged last.pt was not kept as previous.pt over the one the run resumed from
     assert [torch.load(out / f"{k}.pt", weights_only=True)["step"] for k in ("previous", "last")] == [5, 10]
+    # AdamW as this run set it, not as the checkpoint tried first held it (the NaN one's groups stayed)
+    assert torch.load(out / "last.pt", weights_only=True)["optimizer"]["param_groups"][0]["weight_decay"] == 0.05
 
 
 def test_a_last_pt_linked_to_nothing_is_reported_not_skipped(trained_copy, char_data, capsys):

@@ -103,6 +103,7 @@ def test_bench_bad_arguments_are_one_line(script, tmp_path):
                          (["--steps", "20"], "'--steps': write --steps=VALUE"),  # (once: unknown config name)
                          (["--profile=True"], "'--profile=True': --profile takes no value"),
                          (["--init_from=resume"], "bench.py times a run from scratch or from GPT-2's weights"),
+                         (["--strategies="], "--strategies=: [''] not allowed (choose from ddp, fsdp)"),  # (unset $VAR)
                          (["--strategies=ddp,fsdp", "--strategy=fsdp", "--fsdp_shard_size=1"],  # (the ddp worker's)
                           "the ddp run: fsdp_shard_size=1 shards the model: it needs --strategy=fsdp")):
         proc = script("bench.py", *args)

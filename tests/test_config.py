@@ -30,7 +30,7 @@ def test_unknown_name_suggests_the_closest_valid_name(tmp_path):
         resolve([str(cfg_file)])
     cfg_file.write_text("lr_decay_iters = max_iters\n")  # nanoGPT's configurator ran files among the defaults
     with pytest.raises(ConfigError, match="line 1: NameError: name 'max_iters' is not defined \\(a config file sees "
-                                          "only the names it sets, not the defaults\\)$"):
+                                          "only the names it sets: not the defaults, nor another file's\\)$"):
         resolve([str(cfg_file)])
     cfg_file.write_text('batch_size = "4"\n')  # of two files given, the one at fault is named
     (tmp_path / "good.py").write_text("batch_size = 4\n")

@@ -195,8 +195,8 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
     assert "does not exist" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path / "nowhere.jsonl"], capsys)
     assert f"HellaSwag file {tmp_path} is a folder" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path], capsys)
     (tmp_path / "blank.jsonl").write_text("\n  \n")
-    assert "blank.jsonl holds no examples: give hellaswag_val.jsonl, one JSON object a line" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path / "blank.jsonl"],
-                                                    capsys)
+    assert "blank.jsonl holds no examples: give hellaswag_val.jsonl, one JSON object a line" in fails(
+        ["--init_from", hf_folder, "--hellaswag", tmp_path / "blank.jsonl"], capsys)
     for bad, needle in [("--dist_timeout=-1", "--dist_timeout must be positive seconds"),
                         ("--dist_timeout=nan", "--dist_timeout must be positive seconds"),
                         ("--batch_size=0", "--batch_size must be positive, got 0"),
@@ -337,6 +337,10 @@ def test_a_character_level_model_or_dataset_is_refused(char_data, hf_folder, sma
     out = run_eval(["--out_dir", tmp_path, "--no_hellaswag", "--data_dir", char_data, "--val_windows=4"], capsys)
     assert re.fullmatch(rf"{re.escape(str(char_data))} val loss \d+\.\d{{4}} over 4 windows of 16 tokens", out[-1]), out
     assert "--no_hellaswag leaves nothing to evaluate" in fails(["--out_dir", tmp_path, "--no_hellaswag"], capsys)
+    assert "not with --no_hellaswag" in fails(["--out_dir", tmp_path, "--no_hellaswag", "--data_dir", char_data,
+                                               "--limit=5"], capsys)
+    out = run_eval(["--out_dir", tmp_path, "--checkpoint=last", "--no_hellaswag", "--data_dir", char_data], capsys)
+    assert out[-2].startswith(f"# {tmp_path / 'last.pt'} (step 1)"), out  # (best.pt without --checkpoint)
     # GPT-2's weights, and the loss on a character dataset: its ids are other tokens
     line = fails(["--init_from", hf_folder, "--hellaswag", small_file, "--data_dir", char_data], capsys)
     chars = json.loads((char_data / "meta.json").read_text())["vocab_size"]

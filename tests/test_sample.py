@@ -188,6 +188,8 @@ def test_checkpoint_last_samples_the_newest_run_when_best_is_older(trained_copy,
                                                    f"or train first\n", proc.stderr
     proc = sample("--init_from=gpt2", "--checkpoint=last")
     assert proc.returncode == 2 and "--init_from=gpt2 and --checkpoint=last both name the model" in proc.stderr
+    run = out.rename(out.with_name("run.dcp"))  # a run's folder of that name (its config.json): not a checkpoint
+    assert sample(f"--out_dir={run}", *args).returncode == 0
 
 
 def test_sample_with_a_prompt_and_output_far_past_block_size_finishes(trained, tmp_path, sample):
