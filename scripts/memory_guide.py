@@ -7,7 +7,8 @@ also when autocast computes in bf16): the weight (4 bytes), its gradient (4) and
 (8), 16 bytes in all. DDP keeps all of it on every GPU; FSDP keeps 1/W of it, plus, while a
 block computes, that block gathered whole (its weights in the compute dtype, and its float32
 gradients until they are reduce-scattered). state_bytes_per_rank is the formula, and bench.py's
-measured state bytes per rank confirm it (tests/test_bench.py).
+measured state bytes per rank confirm it (tests/test_bench.py). HSDP (fsdp_shard_size=S) keeps what
+FSDP over S ranks keeps: read the column W=S.
 
 Activations are an estimate per sequence of 1024 tokens in bf16 (Korthikanti et al.'s 34·T·C
 bytes per layer with a fused attention kernel, plus the logits in bf16 and float32 for the loss);
@@ -101,7 +102,7 @@ def main(argv=None):
     p.add_argument("--batch_size", type=int, default=8)
     args = p.parse_args(argv)
     try:
-        worlds = [int(w) for w in args.world.split(",")]
+        worlds = sorted({int(w) for w in args.world.split(",")})  # (the columns in order, each once)
     except ValueError:
         raise ConfigError(f"--world={args.world}: give process counts, e.g. --world=1,2,4,8") from None
     if min(worlds) < 1 or args.batch_size < 1:

@@ -246,3 +246,8 @@ def test_gpu_summary_tabulates_nanogpt_llmc_and_our_runs(tmp_path, capsys):
     assert "| gpt_small_b32 | 460,562 | 1138.4 ms | 39.8% | 24.8 GiB |" in out
     assert "| llmc_b32 | 459,102 | 1142.0 ms | 37.3% (llm.c's) | - |" in out
     assert out.count("| ours") == 0 and "ours exit 1 after 9 s" in out and "### ours\n```\nerror: the ddp" in out
+
+
+def test_memory_guide_columns_come_in_order_each_once(script):
+    out = script("scripts/memory_guide.py", "--world=8,2,2").stdout  # (were 8, 2, 2: unsorted, and W=2 twice)
+    assert "| DDP (any W) | FSDP W=2 | FSDP W=8 | activations" in out.splitlines()[0]
