@@ -40,8 +40,8 @@ from data.dataset import GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
 from errors import ConfigError, RunError, reported
 from loader import Dataset
 from model import GPTConfig
-import pretrained
 from parallel import memory_problem
+import pretrained
 from train import build_run, optimizer_step
 from world import World, setup
 
@@ -279,7 +279,7 @@ def main(argv=None):
     cfg = resolve(cfg_args)  # a bad config, device, dataset or size fails here, once, not in every worker
     if cfg.init_from == "resume":
         raise ConfigError("bench.py times a run from scratch or from GPT-2's weights: leave init_from=resume out")
-    strategies = parse_list("strategies", opts["strategies"] is None and cfg.strategy or opts["strategies"], str,
+    strategies = parse_list("strategies", cfg.strategy if opts["strategies"] is None else opts["strategies"], str,
                             CHOICES["strategy"])
     meta = (Dataset(cfg).meta if not synthetic(cfg_args) else None) or {"vocab_size": GPT2_VOCAB, "tokenizer": "gpt2"}
     for strategy in strategies:
