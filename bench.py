@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from collectives import any_rank, process_group
 from config import CHOICES, REPO, Config, resolve
-from data.dataset import GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
+from data.dataset import GPT2_META, GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
 from errors import ConfigError, RunError, reported
 from loader import Dataset
 from model import GPTConfig
@@ -55,8 +55,7 @@ def synthetic_data(cfg, world: World, folder: Path, n_train: int) -> Path:
     if world.local_rank == 0 and not (folder / "meta.json").exists():
         rng = np.random.default_rng(0)
         write_dataset(folder, rng.integers(0, GPT2_VOCAB, n_train), rng.integers(0, GPT2_VOCAB, 4 * cfg.block_size),
-                      {"vocab_size": GPT2_VOCAB, "tokenizer": "gpt2",
-                       "source": {"name": "synthetic: uniform random token ids"}})
+                      {**GPT2_META, "source": {"name": "synthetic: uniform random token ids"}})
     any_rank(False, world)  # a barrier: the data exists before any rank reads it
     return folder
 
@@ -281,14 +280,13 @@ def main(argv=None):
         raise ConfigError("bench.py times a run from scratch or from GPT-2's weights: leave init_from=resume out")
     strategies = parse_list("strategies", cfg.strategy if opts["strategies"] is None else opts["strategies"], str,
                             CHOICES["strategy"])
-    meta = (Dataset(cfg).meta if not synthetic(cfg_args) else None) or {"vocab_size": GPT2_VOCAB, "tokenizer": "gpt2"}
+    meta = (Dataset(cfg).meta if not synthetic(cfg_args) else None) or GPT2_META
     for strategy in strategies:
         try:
             cfg = resolve(cfg_args + FIXED + [f"--strategy={strategy}"])  # as the workers will
         except ConfigError as e:
             raise ConfigError(f"the {strategy} run: {e}") from None
-        shape = GPTConfig(**(pretrained.model_args(cfg.init_from, cfg, meta) if pretrained.is_pretrained(cfg.init_from)
-                             else cfg.model_args(meta["vocab_size"])))  # (GPT-2's read here: offline, it fails now)
+        shape = GPTConfig(**pretrained.model_args(cfg, meta))  # (GPT-2's is read here: offline, it fails now)
         for n in nprocs:  # as rank 0 of n processes will see it: the global batch and fsdp_shard_size must split
             if problem := memory_problem(shape, cfg, setup(cfg, claim=False, world=World(size=n, local_size=n))):
                 raise ConfigError(problem)

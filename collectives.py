@@ -174,11 +174,13 @@ def _join(world, dist_timeout: float):
         # torchrun restarts a failed group against the same store, where a dead peer's address
         # lingers for a new rank to read: a prefix per attempt keeps each attempt's keys apart.
         store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        by_hand = "TORCHELASTIC_RUN_ID" not in os.environ  # (torchrun's ranks agree; its restarts share the store)
-        if by_hand and world.rank == 0:  # a rank told another WORLD_SIZE would wait out dist_timeout for peers
-            store.set("world_size", str(world.size))
-        if by_hand and (size := int(store.get("world_size"))) != world.size:
-            raise ConfigError(f"WORLD_SIZE is {world.size} here but {size} on rank 0: start every rank with the same")
+        # a rank started by hand with another WORLD_SIZE would wait out dist_timeout for peers that never come
+        if "TORCHELASTIC_RUN_ID" not in os.environ:  # (torchrun's ranks agree; its restarts share the store)
+            if world.rank == 0:
+                store.set("world_size", str(world.size))
+            if (size := int(store.get("world_size"))) != world.size:
+                raise ConfigError(f"WORLD_SIZE is {world.size} here but {size} on rank 0: start every rank with "
+                                  f"the same")
         dist.init_process_group(world.backend, store=store, rank=world.rank, world_size=world.size, timeout=timeout)
     except ConfigError:
         raise

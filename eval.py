@@ -98,10 +98,10 @@ def main(argv=None):
         if val is not None:
             print(f"{args.data_dir or args.dataset} val loss {loss:.4f} over {len(val[1])} windows of "
                   f"{model.config.block_size} tokens")
-        if score and score.truncated:
-            print(f"note: {score.truncated} examples did not fit block_size ({model.config.block_size}): their "
-                  f"contexts lost tokens from the left (an ending still too long, from its end)")
-        if score:
+        if score is not None:
+            if score.truncated:
+                print(f"note: {score.truncated} examples did not fit block_size ({model.config.block_size}): their "
+                      f"contexts lost tokens from the left (an ending still too long, from its end)")
             print(score.line())
     return score
 

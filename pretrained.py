@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import tempfile
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 import checkpoint
 from config import GPT2_NAMES
-from data.dataset import GPT2_EOT, GPT2_VOCAB_SIZE, load_meta
+from data.dataset import GPT2_EOT, GPT2_META, GPT2_VOCAB_SIZE, load_meta
 from data.files import atomic_write_bytes, fsync_dir, read_json
 from errors import ConfigError, UnreadableCheckpoint, first_line, load_failure
 from model import GPT, GPTConfig
@@ -128,10 +129,8 @@ def locate(init_from: str) -> Path:
         if not is_model_folder(Path(folder)):
             raise FileNotFoundError(f"{folder} lacks config.json or model.safetensors")
         return Path(folder)
-    try:
+    with suppress(Exception):  # not in the cache: fetch it
         return complete(snapshot_download(**wanted, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not in the cache: fetch it
-        pass
     try:
         return complete(snapshot_download(**wanted))
     except Exception as e:  # noqa: BLE001 - offline, blocked, no such repo
@@ -179,23 +178,24 @@ def read_shape(folder: Path) -> dict:
     return shape
 
 
-def model_args(init_from: str, cfg, meta: dict) -> dict:
-    """The run's model arguments when its weights come from GPT-2 (read here, on rank 0). A resume of a run
-    started from the same init_from takes GPT-2's dimensions from its checkpoint: the files may be gone."""
+def model_args(cfg, meta: dict) -> dict:
+    """The run's model arguments: the config's shape on the dataset's vocabulary, or GPT-2's (read here, on rank 0).
+    A resume of a run started from the same init_from takes GPT-2's dimensions from its checkpoint: the files may go."""
+    if not is_pretrained(cfg.init_from):
+        return cfg.model_args(meta["vocab_size"])
     if resumed := resumed_shape(cfg):
         return {**cfg.model_args(meta["vocab_size"]), **resumed}
-    shape = read_shape(locate(init_from))
+    shape = read_shape(locate(cfg.init_from))
     if cfg.block_size > shape["block_size"]:
-        raise ConfigError(f"block_size {cfg.block_size} is longer than {init_from}'s {shape['block_size']} "
+        raise ConfigError(f"block_size {cfg.block_size} is longer than {cfg.init_from}'s {shape['block_size']} "
                           f"positions: use --block_size={shape['block_size']} or less (the table is cropped)")
     if not cfg.bias:
-        raise ConfigError(f"{init_from} has biases in every Linear and LayerNorm: --bias=false cannot load it")
+        raise ConfigError(f"{cfg.init_from} has biases in every Linear and LayerNorm: --bias=false cannot load it")
     if meta["vocab_size"] != shape["vocab_size"] or meta["tokenizer"] != "gpt2":
-        raise ConfigError(f"{init_from} reads GPT-2 BPE tokens ({shape['vocab_size']} of them), but the dataset "
+        raise ConfigError(f"{cfg.init_from} reads GPT-2 BPE tokens ({shape['vocab_size']} of them), but the dataset "
                           f"is {meta['tokenizer']} with {meta['vocab_size']}: use a GPT-2 BPE dataset, "
                           f"e.g. --dataset=shakespeare")
-    return {**shape, "block_size": cfg.block_size, "bias": True, "dropout": cfg.dropout,
-            "pad_vocab_to": cfg.pad_vocab_to}
+    return {**cfg.model_args(meta["vocab_size"]), **shape, "block_size": cfg.block_size}  # (bias: checked True)
 
 
 def resumed_shape(cfg):
@@ -255,20 +255,21 @@ def check_source(args):
 
 def run_folder(out_dir) -> Path:
     """sample.py's, eval.py's and scripts/export_hf.py's --out_dir, checked before anything is loaded."""
-    if not Path(out_dir).is_dir() or Path(out_dir).suffix == ".dcp" and not (Path(out_dir) / "config.json").exists():
-        what = "is a checkpoint" if Path(out_dir).suffix in (".dcp", ".pt") else "is not a folder"
-        raise ConfigError(f"out_dir {out_dir} {what if Path(out_dir).exists() else 'does not exist'}: "
+    path = Path(out_dir)
+    if not path.is_dir() or path.suffix == ".dcp" and not (path / "config.json").exists():  # (.dcp: a checkpoint)
+        what = "is a checkpoint" if path.suffix in (".dcp", ".pt") else "is not a folder"
+        raise ConfigError(f"out_dir {out_dir} {what if path.exists() else 'does not exist'}: "
                           f"pass the run's folder with --out_dir (or train first: python train.py)")
-    return Path(out_dir)
+    return path
 
 
 def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
     """(model in eval mode, its vocabulary as meta.json's, path, step) of a training run, for sample.py,
     eval.py and scripts/export_hf.py: best, else last (or the other way round), else previous, of either format."""
     kinds = (("best", "last") if prefer == "best" else ("last", "best")) + ("previous",)
-    if prefer == "last" and not any((out_dir / f"last{s}").exists() for s in (".pt", ".dcp")):
-        raise ConfigError(f"no last.pt or last.dcp in {out_dir}: use --checkpoint=best, or train first")
     paths = [p for kind in kinds for p in checkpoint.newest([out_dir / f"{kind}.pt", out_dir / f"{kind}.dcp"])]
+    if prefer == "last" and not any(p.stem == "last" for p in paths):
+        raise ConfigError(f"no last.pt or last.dcp in {out_dir}: use --checkpoint=best, or train first")
     if not paths:
         nanogpt = " (its ckpt.pt is nanoGPT's, which this repo does not read)" * (out_dir / "ckpt.pt").exists()
         raise ConfigError(f"no best.pt, last.pt or previous.pt in {out_dir} (nor a .dcp folder){nanogpt}: train "
@@ -319,7 +320,7 @@ def load_for_text(init_from: str, out_dir, device, prefer: str = None) -> tuple:
         raise ConfigError(f"{init_from} has a vocabulary of {shape['vocab_size']} tokens, not GPT-2's BPE "
                           f"({GPT2_VOCAB_SIZE}), the one tokenizer --init_from reads text with: use the run's "
                           f"checkpoint and meta.json instead (--out_dir)")
-    return load_gpt(init_from, device, shape), {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE}, init_from
+    return load_gpt(init_from, device, shape), dict(GPT2_META), init_from
 
 
 def export(model: GPT, folder, gpt2_tokenizer: bool):
@@ -345,8 +346,7 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
         for made in sorted(Path(tmp).iterdir()):
             os.replace(made, folder / made.name)
     # files an earlier export or download left there would describe another model (or tokenizer)
-    stale = ("pytorch_model.bin", "tokenizer.json", "generation_config.json") + (
-        () if gpt2_tokenizer else TOKENIZER_FILES)
+    stale = ("pytorch_model.bin", "tokenizer.json", "generation_config.json") + TOKENIZER_FILES * (not gpt2_tokenizer)
     for name in stale:
         (folder / name).unlink(missing_ok=True)
     fsync_dir(folder)

@@ -27,6 +27,7 @@ DATASET_FORMAT = 1
 HEADER_INTS = 256  # an llm.c shard header: 256 int32, of which the first three are used
 SHARD_FORMATS = {"uint16": (20240520, 1), "uint32": (20240801, 7)}  # dtype -> (magic, version)
 GPT2_VOCAB_SIZE = 50257  # GPT-2 BPE: 50,000 merges, 256 bytes and <|endoftext|>
+GPT2_META = {"vocab_size": GPT2_VOCAB_SIZE, "tokenizer": "gpt2"}  # what meta.json says of GPT-2 BPE ids
 GPT2_EOT = 50256         # <|endoftext|>, the document separator
 
 
@@ -167,7 +168,7 @@ def meta_from_shards(data_dir) -> dict:
         raise ValueError(f"{data_dir}: shards of mixed dtypes ({', '.join(f'{p} holds {d}' for d, p in by_dtype.items())}): "
                          f"one dataset has one token dtype")
     shards = {split: [{"file": p.name, "tokens": headers[p][1]} for p in paths] for split, paths in splits.items()}
-    return {"vocab_size": GPT2_VOCAB_SIZE, "dtype": dtypes.pop(), "tokenizer": "gpt2",
+    return {**GPT2_META, "dtype": dtypes.pop(),
             "source": {"name": "pre-tokenized shards in llm.c's format", "path": str(data_dir)},
             "train_tokens": sum(s["tokens"] for s in shards["train"]),
             "val_tokens": sum(s["tokens"] for s in shards["val"]), "shards": shards, "format": DATASET_FORMAT}

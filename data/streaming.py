@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_VOCAB_SIZE, PROGRESS, load_meta, write_shard
+from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_META, PROGRESS, load_meta, write_shard
 from data.corpora import prepare_parser
 from data.files import atomic_write_bytes, parse_json, preparing, read_json
 from data.tokenizers import gpt2_encoding
@@ -311,7 +311,7 @@ def _finish(source: Source, out_dir: Path, streams: dict, counts: list, settings
     shards = [sh for s in streams.values() for sh in s.shards]
     split_list = {split: [{k: sh[k] for k in ("file", "tokens", "sha256")} for sh in shards
                           if sh["split"] == split] for split in ("train", "val")}
-    meta = {"vocab_size": GPT2_VOCAB_SIZE, "dtype": "uint16", "tokenizer": "gpt2",
+    meta = {**GPT2_META, "dtype": "uint16",
             "source": {**source.description, **{k: v for k, v in settings.items() if k != "files"}},
             "documents": end_doc, "train_tokens": sum(e["tokens"] for e in split_list["train"]),
             "val_tokens": sum(e["tokens"] for e in split_list["val"]), "shards": split_list,
