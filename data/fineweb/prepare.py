@@ -23,8 +23,8 @@ if __package__ in (None, ""):  # run as a script: make `data` importable from th
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.corpora import errors_exit_2
-from data.streaming import (finished, hub_files, hub_source, local_source, recorded, shard_arguments,
-                            write_shards)
+from data.documents import hub_files, hub_source, local_source
+from data.streaming import finished, recorded, shard_arguments, write_shards
 
 PREPARE_IN_TRAIN = False  # hours of downloading: train.py asks for this script to be run first
 REPO_ID = "HuggingFaceFW/fineweb-edu"
@@ -34,7 +34,7 @@ def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, subset="sample-10
             shard_tokens=10**8, workers=None) -> dict:
     out_dir = Path(out_dir) if out_dir else Path(__file__).resolve().parent
     local = local_source(input_pattern) if input_pattern else None
-    settings = {"input": input_pattern} if local else {"repo": repo_id, "subset": subset, "revision": revision}
+    settings = {} if local else {"repo": repo_id, "subset": subset, "revision": revision}
     # a finished folder is checked before the hub is asked for its files (a rerun offline too)
     meta = finished(out_dir, recorded(settings, "fineweb", shard_tokens, local))
     if meta is None:

@@ -25,8 +25,8 @@ if __package__ in (None, ""):  # run as a script: make `data` importable from th
 import numpy as np
 
 from data.corpora import errors_exit_2
-from data.streaming import (count_documents, finished, hub_files, hub_source, local_source, read_progress,
-                            recorded, shard_arguments, write_shards)
+from data.documents import count_documents, hub_files, hub_source, local_source
+from data.streaming import finished, read_progress, recorded, shard_arguments, write_shards
 
 PREPARE_IN_TRAIN = False  # hours of downloading: train.py asks for this script to be run first
 REPO_ID = "Skylion007/openwebtext"
@@ -43,7 +43,7 @@ def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, revision="main", 
             workers=None) -> dict:
     out_dir = Path(out_dir) if out_dir else Path(__file__).resolve().parent
     local = local_source(input_pattern) if input_pattern else None
-    settings = {"input": input_pattern} if local else {"repo": repo_id, "revision": revision}
+    settings = {} if local else {"repo": repo_id, "revision": revision}
     settings.update(val_fraction=VAL_FRACTION, split_seed=SPLIT_SEED)
     # a finished folder is checked before the hub is asked for its files or a document is counted
     meta = finished(out_dir, recorded(settings, "openwebtext", shard_tokens, local))
