@@ -181,11 +181,13 @@ class Dataset:
         if self.meta is not None:
             return
         loose = [name for name in ("train.bin", "val.bin") if (self.dir / name).exists()]
-        if loose:  # nanoGPT's layout (meta.pkl is not read): preparing would overwrite them
+        if loose:  # nanoGPT's layout (its meta.pkl, a pickle, is not read): preparing would overwrite them
+            how = ("character-level ones (meta.pkl) train once their text is prepared again (python data/"
+                   "shakespeare_char/prepare.py --input TEXT --out_dir DIR)" if (self.dir / "meta.pkl").exists() else
+                   "GPT-2 token files train once a meta.json describes them (docs/data.md gives it)")
             raise ConfigError(f"{self.dir} holds {' and '.join(loose)} but no meta.json: train.py will not prepare "
-                              f"over them; nanoGPT's GPT-2 token files train once a meta.json describes them "
-                              f"(docs/data.md gives it), else delete them (a preparation killed as it ended leaves "
-                              f"them too) or choose another --data_dir")
+                              f"over them; nanoGPT's {how}, else delete them (a preparation killed as it ended "
+                              f"leaves them too) or choose another --data_dir")
         script = REPO / "data" / cfg.dataset / "prepare.py"
         if not (cfg.dataset.isidentifier() and script.exists()):  # a folder's name: it is imported
             raise ConfigError(f"no dataset in {self.dir} (meta.json missing), and dataset={cfg.dataset!r} names no "
@@ -194,6 +196,13 @@ class Dataset:
             raise ConfigError(f"no dataset in {self.dir}: this corpus is too large to prepare at "
                               f"start-up; run python data/{cfg.dataset}/prepare.py --out_dir {self.dir} "
                               f"first (see docs/data.md)")
+        own = self.dir.resolve() == script.parent.resolve()  # (data/NAME holds its prepare.py)
+        others = [] if own or not self.dir.is_dir() else sorted(
+            p.name for p in self.dir.iterdir() if not p.name.startswith(".") and p.name != "input.txt")
+        if others:  # a mistyped --data_dir: data/shakespeare once got characters, a home folder a dataset
+            raise ConfigError(f"no dataset in {self.dir} (meta.json missing), and it holds other files ("
+                              f"{', '.join(others[:3])}{', ...' * (len(others) > 3)}): train.py prepares "
+                              f"{cfg.dataset} only into a new or empty folder: check --data_dir")
         if cfg.prepare_input and not Path(cfg.prepare_input).exists():  # (a pipe reads; a folder is refused there)
             raise ConfigError(f"prepare_input {cfg.prepare_input} does not exist: the dataset in "
                               f"{self.dir} is missing and would be prepared from it")

@@ -215,6 +215,13 @@ CASES = [
      r"data holds train\.bin and val\.bin but no meta\.json: train\.py will not prepare over them"),
     ("nanoGPT's files in data/DATASET", ["--data_dir="], nanogpt_files_in_repo_data,  # (a prepare overwrote them)
      r"shakespeare_char holds train\.bin and val\.bin but no meta\.json: train\.py will not prepare over them"),
+    ("nanoGPT's character-level folder", [], lambda d, m: (d / "meta.json").rename(d / "meta.pkl"),
+     r"nanoGPT's character-level ones \(meta\.pkl\) train once their text is prepared again \(python data/shakesp"),
+    ("data_dir a folder of other files", lambda d: [f"--data_dir={d.parent / 'home'}"],  # (data/shakespeare was one)
+     lambda d, m: [(d.parent / "home" / name).write_text("x") for name in ("prepare.py", "notes.md", "input.txt")
+                   if (d.parent / "home").mkdir(exist_ok=True) or True],
+     r"no dataset in .*home \(meta\.json missing\), and it holds other files \(notes\.md, prepare\.py\): train\.py "
+     r"prepares shakespeare_char only into a new or empty folder: check --data_dir"),
     ("prepare_input that did not make the dataset", lambda d: [f"--prepare_input={d.parent / 'other.txt'}"],
      lambda d, m: (d.parent / "other.txt").write_text("another text\n" * 99),  # (it went unused)
      r"data holds a dataset made from .*input_text\.txt, not from prepare_input .*other\.txt: leave --prepare_in"),
