@@ -11,6 +11,7 @@ Messages travel as JSON over the world's gloo group, never as pickle.
 import gc
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -144,9 +145,19 @@ def collective_failures_explained(world, dist_timeout: float, where):
         raise CollectiveFailed(world.rank, where(), dist_timeout, e) from None
 
 
-def _give_up(error: Exception):
+def _watch(world, address: str, dist_timeout: float, pipe: tuple):
+    """_join's watchdog thread: ends the process when nothing answers for 2 x dist_timeout + 2 s, or
+    when a signal's number comes through the pipe (Python's handlers wait for the main thread,
+    which the store's C++ wait holds: Ctrl-C waited out dist_timeout). A 0 byte: the join ended."""
+    silent = TimeoutError(f"nothing answered at {address}: is another program listening on MASTER_PORT?")
+    error, status = GroupNotFormed(world.rank, world.size, address, dist_timeout, silent), 1
+    if select.select([pipe[0]], [], [], 2 * dist_timeout + 2)[0]:
+        if not (signum := os.read(pipe[0], 1)[0]):
+            return [os.close(fd) for fd in pipe]
+        how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        error, status = f"interrupted ({how}) while the process group formed", 128 + signum
     print(f"error: {error}", file=sys.stderr, flush=True)
-    os._exit(1)
+    os._exit(status)
 
 
 def _join(world, dist_timeout: float):
@@ -163,11 +174,11 @@ def _join(world, dist_timeout: float):
     # answers (not a torch store) would hold this rank forever. The rendezvous, and then the
     # world-size read and init_process_group (which wait on the same peers), take at most
     # dist_timeout each, so past twice that nothing will come.
-    silent = TimeoutError(f"nothing answered at {address}: is another program listening on MASTER_PORT?")
-    watchdog = threading.Timer(2 * dist_timeout + 2, _give_up,
-                               (GroupNotFormed(world.rank, world.size, address, dist_timeout, silent),))
-    watchdog.daemon = True
-    watchdog.start()
+    pipe = os.pipe()
+    os.set_blocking(pipe[1], False)
+    main = threading.current_thread() is threading.main_thread()  # (only it may set a wakeup fd)
+    previous = signal.set_wakeup_fd(pipe[1]) if main else None
+    threading.Thread(target=_watch, args=(world, address, dist_timeout, pipe), daemon=True).start()
     try:
         socket.getaddrinfo(os.environ.get("MASTER_ADDR") or "localhost", None)  # fails in 2 x dist_timeout else
         store, _, _ = next(dist.rendezvous("env://", world.rank, world.size, timeout=timeout))
@@ -187,7 +198,9 @@ def _join(world, dist_timeout: float):
     except (RuntimeError, ValueError, socket.gaierror) as e:  # torch's DistError family is RuntimeError
         raise GroupNotFormed(world.rank, world.size, address, dist_timeout, e) from None
     finally:
-        watchdog.cancel()
+        if main:
+            signal.set_wakeup_fd(previous)
+        os.write(pipe[1], b"\0")  # the watchdog's cue to close the pipe and end
     # Small CPU messages (votes, JSON, sharded checkpoints' coordination) go through gloo, also under NCCL.
     world.timeout = timeout  # (new_group's own default is 30 minutes, whatever dist_timeout says)
     world.group = dist.new_group(backend="gloo", timeout=timeout) if world.backend != "gloo" else None

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -343,6 +344,29 @@ def test_a_rank_started_with_another_world_size_says_so(char_data, tmp_path):
                                                                     global_batch_size=24), sizes=(2, 3))
     assert (code1, err1) == (2, "error: WORLD_SIZE is 3 here but 2 on rank 0: start every rank with the same\n")
     assert code0 == 1 and "could not form the process group of 2 ranks" in err0, err0
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_a_rank_waiting_for_its_peers_at_once(char_data, tmp_path):
+    # the store's C++ wait held the main thread, so Python's handler ran only after dist_timeout (10 minutes)
+    port = free_port()
+    env = child_env(RANK=0, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    proc = subprocess.Popen(train_py(tiny_args(char_data, tmp_path / "out", dist_timeout=600)), cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    def listening():  # rank 0 is waiting for rank 1
+        with socket.socket() as probe:
+            return probe.connect_ex(("127.0.0.1", port)) == 0
+
+    try:
+        deadline = time.monotonic() + 60
+        while not listening():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err.endswith("error: interrupted (Ctrl-C) while the process group formed\n"), err
 
 
 @pytest.mark.slow
