@@ -196,6 +196,9 @@ def _join(world, dist_timeout: float):
     except ConfigError:
         raise
     except (RuntimeError, ValueError, socket.gaierror) as e:  # torch's DistError family is RuntimeError
+        if "EADDRINUSE" in str(e):  # rank 0's store cannot listen: relaunching as it is would fail again
+            raise ConfigError(f"MASTER_PORT {os.environ['MASTER_PORT']} is in use on {socket.gethostname()} (another "
+                              f"program, or another job's rank 0, listens there): give every rank another") from None
         raise GroupNotFormed(world.rank, world.size, address, dist_timeout, e) from None
     finally:
         if main:

@@ -346,6 +346,17 @@ def test_a_rank_started_with_another_world_size_says_so(char_data, tmp_path):
     assert code0 == 1 and "could not form the process group of 2 ranks" in err0, err0
 
 
+def test_a_master_port_in_use_is_named(char_data, tmp_path, monkeypatch, capsys):
+    # (it was "could not form the process group ... within dist_timeout", exit 1: relaunch, which fails again)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = run_cli(tiny_args(char_data, tmp_path / "out"), monkeypatch, capsys, world_size=2, port=port)
+    assert code == 2 and err.startswith(f"error: MASTER_PORT {port} is in use on "), err
+    assert err.endswith("(another program, or another job's rank 0, listens there): give every rank another\n")
+
+
 @pytest.mark.slow
 def test_ctrl_c_ends_a_rank_waiting_for_its_peers_at_once(char_data, tmp_path):
     # the store's C++ wait held the main thread, so Python's handler ran only after dist_timeout (10 minutes)
