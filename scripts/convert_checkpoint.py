@@ -26,7 +26,7 @@ def main(argv=None):
     p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("source", type=Path, help="a sharded checkpoint folder, e.g. out/last.dcp")
     p.add_argument("dest", type=Path, help="the .pt file to write (replaced atomically if it exists, unless it "
-                                           "holds a later step)")
+                                           "holds a later step or another run's checkpoint)")
     args = p.parse_args(argv)
     if args.source.suffix != ".dcp" or not args.source.is_dir():
         raise ConfigError(f"{args.source} is not a sharded checkpoint folder (NAME.dcp) train.py wrote")
@@ -45,12 +45,15 @@ def main(argv=None):
     if problem:
         raise ConfigError(f"{args.source}: {problem}: nothing converted")
     try:  # (out/last.pt after a switch from the sharded format is newer than out/last.dcp: it would be lost)
-        held = checkpoint.read(args.dest, tensors=False)["step"] if args.dest.exists() else None
-    except (ConfigError, LookupError, TypeError):  # not a checkpoint: replaced, as --help says
-        held = None
-    if type(held) is int and held > state["step"]:
-        raise ConfigError(f"{args.dest} holds step {held}, newer than {args.source}'s {state['step']}: write "
-                          f"another file (e.g. {args.dest.with_name('converted.pt')}), or delete it first")
+        held = checkpoint.read(args.dest, tensors=False) if args.dest.exists() else {}
+    except ConfigError:  # not a checkpoint: replaced, as --help says
+        held = {}
+    instead = f"write another file (e.g. {args.dest.with_name('converted.pt')}), or delete it first"
+    if isinstance(held, dict) and type(held.get("step")) is int and held["step"] > state["step"]:
+        raise ConfigError(f"{args.dest} holds step {held['step']}, newer than {args.source}'s {state['step']}: "
+                          f"{instead}")
+    if isinstance(held, dict) and any(held.get(k, state.get(k)) != state.get(k) for k in ("model_args", "vocab")):
+        raise ConfigError(f"{args.dest} holds another run's checkpoint (another model or vocabulary): {instead}")
     try:
         checkpoint.write(state, args.dest)
     except OSError as e:
