@@ -5,17 +5,15 @@ init_from may name a released model (gpt2, gpt2-medium, gpt2-large, gpt2-xl: 124
 parameters), taken from the local Hugging Face cache or downloaded into it, or a folder holding
 a Hugging Face GPT-2 model (config.json and model.safetensors, or pytorch_model.bin, read with
 weights_only=True). transformers is not needed: safetensors reads the weights, huggingface_hub
-finds or fetches them, and gpt2_from_hf/gpt2_to_hf map the names. export() writes a checkpoint
-as such a folder, which transformers' GPT2LMHeadModel.from_pretrained loads.
+finds or fetches them, and gpt2_from_hf/gpt2_to_hf map the names (scripts/export_hf.py writes a
+checkpoint as such a folder, which transformers' GPT2LMHeadModel.from_pretrained loads).
 
 Under several processes train.py's rank 0 reads and the other ranks receive, as for a resume, so
 other hosts need no copy (eval.py loads on every rank).
 """
 
+import difflib
 import functools
-import json
-import os
-import tempfile
 from contextlib import suppress
 from pathlib import Path
 
@@ -24,14 +22,13 @@ import torch.nn.functional as F
 
 import checkpoint
 from config import GPT2_NAMES
-from data.dataset import GPT2_EOT, GPT2_META, GPT2_VOCAB_SIZE, load_meta
-from data.files import atomic_write_bytes, fsync_dir, read_json
+from data.dataset import GPT2_META, GPT2_VOCAB_SIZE, load_meta
+from data.files import read_json
 from errors import ConfigError, UnreadableCheckpoint, first_line, load_failure
 from model import GPT, GPTConfig
 
 RELEASED = {name: f"openai-community/{name}" for name in GPT2_NAMES}
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
 
 
 # GPT-2 in Hugging Face's layout (transformers' GPT2LMHeadModel): the same names, under
@@ -119,8 +116,12 @@ def locate(init_from: str) -> Path:
     if init_from not in RELEASED:
         folder = Path(init_from)
         if not is_model_folder(folder):
+            close = difflib.get_close_matches(init_from.split("/")[-1].replace("-small", ""), RELEASED, n=1)
+            hint = (" (its weights are in shards, which are not read: save it with a larger max_shard_size)"
+                    if (folder / "model.safetensors.index.json").exists() else
+                    f": did you mean '{close[0]}'?" if close and not folder.exists() else "")
             raise ConfigError(f"init_from {init_from}: no Hugging Face GPT-2 model there (a folder with "
-                              f"config.json and model.safetensors or pytorch_model.bin)")
+                              f"config.json and model.safetensors or pytorch_model.bin){hint}")
         return folder
     from huggingface_hub import snapshot_download
     wanted = dict(repo_id=RELEASED[init_from], allow_patterns=["config.json", "model.safetensors"])
@@ -191,6 +192,10 @@ def model_args(cfg, meta: dict) -> dict:
                           f"positions: use --block_size={shape['block_size']} or less (the table is cropped)")
     if not cfg.bias:
         raise ConfigError(f"{cfg.init_from} has biases in every Linear and LayerNorm: --bias=false cannot load it")
+    if shape["vocab_size"] != GPT2_VOCAB_SIZE:  # (an export of a character-level run)
+        raise ConfigError(f"{cfg.init_from} has a vocabulary of {shape['vocab_size']} tokens, not GPT-2's BPE "
+                          f"({GPT2_VOCAB_SIZE}): init_from takes GPT-2 BPE models (a run goes on from its own "
+                          f"checkpoint: train again with its --out_dir)")
     if meta["vocab_size"] != shape["vocab_size"] or meta["tokenizer"] != "gpt2":
         raise ConfigError(f"{cfg.init_from} reads GPT-2 BPE tokens ({shape['vocab_size']} of them), but the dataset "
                           f"is {meta['tokenizer']} with {meta['vocab_size']}: use a GPT-2 BPE dataset, "
@@ -321,32 +326,3 @@ def load_for_text(init_from: str, out_dir, device, prefer: str = None) -> tuple:
                           f"({GPT2_VOCAB_SIZE}), the one tokenizer --init_from reads text with: use the run's "
                           f"checkpoint and meta.json instead (--out_dir)")
     return load_gpt(init_from, device, shape), dict(GPT2_META), init_from
-
-
-def export(model: GPT, folder, gpt2_tokenizer: bool):
-    """Write `model` as a Hugging Face GPT-2 folder: config.json, model.safetensors and, for a
-    model of GPT-2's BPE, the tokenizer files. They are made in a temporary folder inside it, then
-    moved in: a failure (a full disk, a damaged vocabulary file) leaves what was there as it was."""
-    from data.tokenizers import write_gpt2_tokenizer_files
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg, eot = model.config, GPT2_EOT if gpt2_tokenizer else None  # (a character model has no end-of-text id)
-    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-              "n_positions": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-              "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new",
-              "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-              "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
-              "tie_word_embeddings": True, "bos_token_id": eot, "eos_token_id": eot}
-    from safetensors.torch import save
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as tmp:
-        atomic_write_bytes(Path(tmp, "model.safetensors"), save(gpt2_to_hf(model), metadata={"format": "pt"}))
-        atomic_write_bytes(Path(tmp, "config.json"), (json.dumps(config, indent=1) + "\n").encode())
-        if gpt2_tokenizer:
-            write_gpt2_tokenizer_files(tmp, cfg.block_size)
-        for made in sorted(Path(tmp).iterdir()):
-            os.replace(made, folder / made.name)
-    # files an earlier export or download left there would describe another model (or tokenizer)
-    stale = ("pytorch_model.bin", "tokenizer.json", "generation_config.json") + TOKENIZER_FILES * (not gpt2_tokenizer)
-    for name in stale:
-        (folder / name).unlink(missing_ok=True)
-    fsync_dir(folder)

@@ -14,15 +14,54 @@ loads it and computes the logits this repo computes. A character-level model is 
 bias=False gets zero biases, which compute the same. Bad input: one line on stderr, exit 2.
 """
 
+import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from safetensors.torch import save  # noqa: E402
+
+import checkpoint  # noqa: E402
 import pretrained  # noqa: E402
+from data.dataset import GPT2_EOT  # noqa: E402
+from data.files import atomic_write_bytes, fsync_dir  # noqa: E402
+from data.tokenizers import write_gpt2_tokenizer_files  # noqa: E402
 from errors import ArgumentParser, ConfigError, first_line, reported  # noqa: E402
+from model import GPT  # noqa: E402
+
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def export(model: GPT, folder, gpt2_tokenizer: bool):
+    """Write `model` as a Hugging Face GPT-2 folder: config.json, model.safetensors and, for a
+    model of GPT-2's BPE, the tokenizer files. They are made in a temporary folder inside it, then
+    moved in: a failure (a full disk, a damaged vocabulary file) leaves what was there as it was."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg, eot = model.config, GPT2_EOT if gpt2_tokenizer else None  # (a character model has no end-of-text id)
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+              "n_positions": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+              "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new",
+              "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+              "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
+              "tie_word_embeddings": True, "bos_token_id": eot, "eos_token_id": eot}
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as tmp:
+        weights = save(pretrained.gpt2_to_hf(model), metadata={"format": "pt"})
+        atomic_write_bytes(Path(tmp, "model.safetensors"), weights)
+        atomic_write_bytes(Path(tmp, "config.json"), (json.dumps(config, indent=1) + "\n").encode())
+        if gpt2_tokenizer:
+            write_gpt2_tokenizer_files(tmp, cfg.block_size)
+        for made in sorted(Path(tmp).iterdir()):
+            os.replace(made, folder / made.name)
+    # files an earlier export or download left there would describe another model (or tokenizer)
+    stale = ("pytorch_model.bin", "tokenizer.json", "generation_config.json") + TOKENIZER_FILES * (not gpt2_tokenizer)
+    for name in stale:
+        (folder / name).unlink(missing_ok=True)
+    fsync_dir(folder)
 
 
 def main(argv=None):
@@ -37,12 +76,18 @@ def main(argv=None):
         raise ConfigError("--to is empty: give the folder to write")
     pretrained.run_folder(out_dir)
     mine = os.path.realpath(to) == os.path.realpath(out_dir)  # (Path.resolve raises on a link loop)
-    if mine or (to / "run.lock").exists() or to.suffix == ".dcp":  # a run's (its config.json) or a checkpoint
-        what = "a sharded checkpoint" if to.suffix == ".dcp" else f"{'the' if mine else 'another'} run's own folder"
+    try:  # the Hugging Face folder the run started from: its weights would be replaced
+        began = os.path.realpath(to) == os.path.realpath(json.loads((out_dir / "config.json").read_text())["init_from"])
+    except (OSError, ValueError, LookupError, TypeError):  # (no config.json: an older run, or one copied without it)
+        began = False
+    run = any((to / name).exists() for name in checkpoint.WRITTEN if name != "config.json") or any(to.glob("*.dcp"))
+    if mine or began or run or to.suffix == ".dcp":  # a run's (its config.json), its init_from, or a checkpoint
+        what = ("a sharded checkpoint" if to.suffix == ".dcp" else "the run's own folder" if mine else
+                "the folder the run started from (init_from)" if began else "another run's own folder")
         raise ConfigError(f"--to={to} is {what}: give another folder, of its own (files there are replaced)")
     model, meta, path, step = pretrained.load_model(out_dir, "cpu", prefer=args.checkpoint)
     try:
-        pretrained.export(model, to, gpt2_tokenizer=meta["tokenizer"] == "gpt2")
+        export(model, to, gpt2_tokenizer=meta["tokenizer"] == "gpt2")
     except OSError as e:
         raise ConfigError(f"cannot write {to}: {e.strerror or e}") from None
     except ValueError as e:  # data/gpt2.tiktoken missing or damaged

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import checkpoint  # noqa: E402
+import data.files  # noqa: E402
 import pretrained  # noqa: E402
 from data.tokenizers import REPO_COPY, gpt2_encoding  # noqa: E402
 from errors import ConfigError  # noqa: E402
@@ -327,11 +329,12 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data, trai
     train(tiny_args(bpe_data, out, dataset="shakespeare", max_iters=3, eval_interval=3, bias=False,
                     pad_vocab_to=64, block_size=32))
     synced = []  # what the folder held at each fsync of it
-    monkeypatch.setattr(pretrained, "fsync_dir", lambda d: synced.append(sorted(os.listdir(d))))
+    monkeypatch.setattr(data.files, "fsync_dir", lambda d: synced.append((Path(d), sorted(os.listdir(d)))))
     proc = script("scripts/export_hf.py", f"--out_dir={out}", f"--to={tmp_path / 'hf'}")
     assert proc.returncode == 0, proc.stderr
     assert "model.safetensors" in proc.stdout and "vocab.json" in proc.stdout
-    assert synced == [sorted(os.listdir(tmp_path / "hf"))]  # the moves in made durable, once all were made
+    made_durable = [listed for folder, listed in synced if folder == tmp_path / "hf"]  # once all were made
+    assert made_durable == [sorted(os.listdir(tmp_path / "hf"))]
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     ckpt = checkpoint.read(out / "best.pt")
     ours = GPT(GPTConfig(**ckpt["model_args"]))
@@ -347,7 +350,6 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data, trai
     # an export that fails midway (here the vocabulary file is damaged, after the weights were made)
     # leaves the good export as it was: it once replaced the weights and config, then stopped
     before = {f.name: f.read_bytes() for f in (tmp_path / "hf").iterdir()}
-    import data.tokenizers
     damaged = tmp_path / "gpt2.tiktoken"
     damaged.write_bytes(REPO_COPY.read_bytes()[:-10])
     monkeypatch.setattr(data.tokenizers, "REPO_COPY", damaged)
@@ -387,6 +389,9 @@ def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data,
     for cmd in ("sample.py", "eval.py"):
         fails_with([cmd, f"--init_from={tmp_path / 'hf'}", "--device=cpu"], f"has a vocabulary of {hf.config.vocab_size} "
                    "tokens, not GPT-2's BPE (50257)", "(--out_dir)")
+    # nor does train.py start from it (it said the folder "reads GPT-2 BPE tokens (68 of them)")
+    fails_with(["train.py", *tiny_args(char_data, tmp_path / "again", init_from=str(tmp_path / "hf"))],
+               f"has a vocabulary of {hf.config.vocab_size} tokens, not GPT-2's BPE (50257): init_from takes GPT-2 BPE")
 
 
 def test_export_bad_input_is_one_line(tmp_path, fails_with):
@@ -399,6 +404,12 @@ def test_export_bad_input_is_one_line(tmp_path, fails_with):
     (tmp_path / "other" / "run.lock").write_text("")
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'other'}"],
                f"--to={tmp_path / 'other'} is another run's own folder: give another folder")
+    (tmp_path / "other" / "run.lock").rename(tmp_path / "other" / "last.pt")  # a run copied without its lock
+    fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'other'}"],
+               f"--to={tmp_path / 'other'} is another run's own folder: give another folder")
+    (tmp_path / "empty" / "config.json").write_text(json.dumps({"init_from": str(tmp_path / "gpt2")}))
+    fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'gpt2'}"],
+               f"--to={tmp_path / 'gpt2'} is the folder the run started from (init_from): give another folder")
     (tmp_path / "link").symlink_to(tmp_path / "empty")  # its config.json would replace the run's
     for to in (tmp_path / "empty", tmp_path / "link"):
         fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={to}"],
@@ -434,6 +445,10 @@ def test_sample_init_from_missing_folder_is_one_line(tmp_path, fails_with):
     (tmp_path / "half").mkdir()  # what `hf download gpt2 config.json` leaves: no weights
     (tmp_path / "half" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     fails_with(["sample.py", f"--init_from={tmp_path / 'half'}"], "no Hugging Face GPT-2 model there")
+    (tmp_path / "half" / "model.safetensors.index.json").write_text("{}")  # save_pretrained(max_shard_size=...)
+    fails_with(["sample.py", f"--init_from={tmp_path / 'half'}"], "(its weights are in shards, which are not read")
+    fails_with(["sample.py", "--init_from=gpt2-small"], "no Hugging Face GPT-2 model there", "did you mean 'gpt2'?")
+    fails_with(["eval.py", "--init_from=openai-community/gpt2-xl"], "did you mean 'gpt2-xl'?")  # (the hub's name)
     for tool in ("sample.py", "eval.py"):  # --out_dir was ignored without a word
         fails_with([tool, "--init_from=gpt2", "--out_dir=out"], "both name the model: give one")
 
