@@ -57,13 +57,15 @@ def check(args):
     pretrained.check_source(args)
 
 
-def val_split(args, model) -> tuple:
+def val_split(args, model, vocab: dict) -> tuple:
     """(tokens, window starts) of --dataset's val split, checked against the model's vocabulary."""
     cfg = validate(Config(dataset=args.dataset, data_dir=args.data_dir, block_size=model.config.block_size))
     meta = read_dataset(cfg)
-    if meta["vocab_size"] != model.config.vocab_size:
-        raise ConfigError(f"{dataset_dir(cfg)} has a vocabulary of {meta['vocab_size']} tokens, the model "
-                          f"{model.config.vocab_size}: give a dataset of the model's tokenizer")
+    if any(meta.get(k) != vocab.get(k) for k in ("vocab_size", "tokenizer", "chars")):  # (or other characters)
+        size = f"{vocab.get('tokenizer')} of {vocab['vocab_size']} tokens" + ", other characters" * (
+            meta.get("chars") != vocab.get("chars") and meta["vocab_size"] == vocab["vocab_size"])
+        raise ConfigError(f"{dataset_dir(cfg)} has another vocabulary ({meta.get('tokenizer')} of {meta['vocab_size']} "
+                          f"tokens) than the model ({size}): give a dataset of the model's tokenizer")
     tokens = token_splits(cfg, meta)["val"]
     return tokens, eval_starts(tokens, cfg.block_size, args.val_windows)
 
@@ -77,7 +79,7 @@ def main(argv=None):
         error = None
         try:  # a rank whose copy of something is missing stops every rank, with its message
             model, meta, name = pretrained.load_for_text(args.init_from, args.out_dir, world.device, args.checkpoint)
-            val = val_split(args, model) if args.dataset or args.data_dir else None
+            val = val_split(args, model, meta) if args.dataset or args.data_dir else None
             examples = score = None
             if not args.no_hellaswag:
                 hellaswag.check_tokenizer(meta, name, "evaluate --no_hellaswag with --dataset (the loss alone)")

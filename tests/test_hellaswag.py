@@ -344,8 +344,15 @@ def test_a_character_level_model_or_dataset_is_refused(char_data, hf_folder, sma
     # GPT-2's weights, and the loss on a character dataset: its ids are other tokens
     line = fails(["--init_from", hf_folder, "--hellaswag", small_file, "--data_dir", char_data], capsys)
     chars = json.loads((char_data / "meta.json").read_text())["vocab_size"]
-    assert line == (f"error: {char_data} has a vocabulary of {chars} tokens, the model 50257: give a dataset of the "
-                    f"model's tokenizer"), line
+    assert line == (f"error: {char_data} has another vocabulary (char of {chars} tokens) than the model (gpt2 of 50257 "
+                    f"tokens): give a dataset of the model's tokenizer"), line
+    # a dataset of as many characters, other ones: its ids are other characters (a loss was printed)
+    other = Path(shutil.copytree(char_data, tmp_path / "other"))
+    meta = json.loads((other / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps({**meta, "chars": meta["chars"][::-1]}))
+    assert fails(["--out_dir", tmp_path, "--no_hellaswag", "--data_dir", other], capsys) == (
+        f"error: {other} has another vocabulary (char of {chars} tokens) than the model (char of {chars} tokens, other "
+        f"characters): give a dataset of the model's tokenizer")
 
 
 # --- several processes ---------------------------------------------------------------------
