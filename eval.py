@@ -102,8 +102,9 @@ def main(argv=None):
                   f"{model.config.block_size} tokens")
         if score is not None:
             if score.truncated:
-                print(f"note: {score.truncated} examples did not fit block_size ({model.config.block_size}): their "
-                      f"contexts lost tokens from the left (an ending still too long, from its end)")
+                print(f"note: {score.truncated} example{'s' * (score.truncated != 1)} did not fit block_size "
+                      f"({model.config.block_size}): their contexts lost tokens from the left (an ending still too "
+                      f"long, from its end)")
             print(score.line())
     return score
 

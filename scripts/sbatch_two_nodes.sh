@@ -20,7 +20,7 @@
 set -euo pipefail
 
 nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
-nproc=${NPROC_PER_NODE:-$SLURM_GPUS_ON_NODE}  # set NPROC_PER_NODE on nodes without GPUs
+nproc=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:?no GPUs on this node: set NPROC_PER_NODE, processes per node}}
 
 # --cpus-per-task again for srun: Slurm 22.05 and 23.02 do not pass the job's value on to it.
 # torchrun waits up to --shutdown-timeout seconds for its workers to save after SIGTERM.
