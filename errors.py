@@ -124,12 +124,18 @@ class GlobalBatchIndivisible(ConfigError):
             + (f", or --batch_size={keep}, which keeps the global batch (a resume must)" if keep else ""))
 
 
+def write_failure(e: OSError) -> str:
+    """Why a file or folder could not be made (makedirs says "File exists" when a file is on the path)."""
+    return "it is a file, or lies under one" if isinstance(e, (FileExistsError, NotADirectoryError)) else \
+        str(e.strerror or e)
+
+
 class OutDirUnwritable(ConfigError):
     def __init__(self, out_dir, e: OSError):
         if os.path.islink(out_dir) and not os.path.exists(out_dir):  # (makedirs: FileExistsError, as for a file)
             why, fix = "a link to nothing: is its storage mounted?", " or mount it"
         elif isinstance(e, (FileExistsError, NotADirectoryError)):
-            why, fix = "it is a file, or lies under one", ""
+            why, fix = write_failure(e), ""
         else:
             why, fix = e.strerror or e, " or fix its permissions"
         super().__init__(f"out_dir {out_dir} cannot be written ({why}): choose another --out_dir{fix}")

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 import checkpoint  # noqa: E402
 from config import FIELD_TYPES, Config  # noqa: E402
-from errors import ArgumentParser, ConfigError, first_line, reported  # noqa: E402
+from errors import ArgumentParser, ConfigError, first_line, reported, write_failure  # noqa: E402
 
 
 def main(argv=None):
@@ -57,7 +57,7 @@ def main(argv=None):
     try:
         checkpoint.write(state, args.dest)
     except OSError as e:
-        raise ConfigError(f"cannot write {args.dest}: {e.strerror or e}") from None
+        raise ConfigError(f"cannot write {args.dest}: {write_failure(e)}") from None
     n = state['world_size']
     print(f"{args.source} (step {state['step']}, written by {n} process{'es' * (n != 1)}) -> {args.dest}")
 

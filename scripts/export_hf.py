@@ -30,7 +30,7 @@ import pretrained  # noqa: E402
 from data.dataset import GPT2_EOT  # noqa: E402
 from data.files import atomic_write_bytes, fsync_dir  # noqa: E402
 from data.tokenizers import write_gpt2_tokenizer_files  # noqa: E402
-from errors import ArgumentParser, ConfigError, first_line, reported  # noqa: E402
+from errors import ArgumentParser, ConfigError, first_line, reported, write_failure  # noqa: E402
 from model import GPT  # noqa: E402
 
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
@@ -89,7 +89,7 @@ def main(argv=None):
     try:
         export(model, to, gpt2_tokenizer=meta["tokenizer"] == "gpt2")
     except OSError as e:
-        raise ConfigError(f"cannot write {to}: {e.strerror or e}") from None
+        raise ConfigError(f"cannot write {to}: {write_failure(e)}") from None
     except ValueError as e:  # data/gpt2.tiktoken missing or damaged
         raise ConfigError(f"cannot write GPT-2's tokenizer files: {first_line(e)}") from None
     files = ", ".join(sorted(f.name for f in to.iterdir() if not f.name.startswith(".")))

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.files import atomic_write, read_json, why_unreadable  # noqa: E402
-from errors import ArgumentParser, ConfigError, reported  # noqa: E402
+from errors import ArgumentParser, ConfigError, reported, write_failure  # noqa: E402
 from logger import read_metrics  # noqa: E402
 
 GPT2_124M_ACC_NORM = 0.2955  # llm.c dev/data/hellaswag.py, completion style (docs/eval.md)
@@ -131,7 +131,7 @@ def main(argv=None):
         out.parent.mkdir(parents=True, exist_ok=True)
         plot(runs, out)
     except OSError as e:
-        raise ConfigError(f"cannot write {out}: {e.strerror or e}") from None
+        raise ConfigError(f"cannot write {out}: {write_failure(e)}") from None
     print(f"{len(runs)} run{'s' if len(runs) > 1 else ''} -> {out}")
 
 

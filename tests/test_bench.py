@@ -158,6 +158,9 @@ def test_plot_runs_tells_same_named_folders_apart_and_skips_unreadable_lines(tmp
     (tmp_path / "taken.png").mkdir()  # the picture cannot be written: one line, the reason, and no temporary left
     proc = script("scripts/plot_runs.py", tmp_path / "huge", f"--out={tmp_path / 'taken.png'}")
     assert proc.returncode == 2 and proc.stderr == f"error: cannot write {tmp_path / 'taken.png'}: Is a directory\n"
+    proc = script("scripts/plot_runs.py", tmp_path / "huge", f"--out={tmp_path / 'huge.png' / 'x.png'}")  # under a file
+    assert proc.returncode == 2 and proc.stderr == (f"error: cannot write {tmp_path / 'huge.png' / 'x.png'}: it is a "
+                                                    f"file, or lies under one\n"), proc.stderr  # (was "File exists")
     assert not list(tmp_path.glob(".*.tmp"))
 
 
