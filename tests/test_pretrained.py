@@ -394,7 +394,7 @@ def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data,
                f"has a vocabulary of {hf.config.vocab_size} tokens, not GPT-2's BPE (50257): init_from takes GPT-2 BPE")
 
 
-def test_export_bad_input_is_one_line(tmp_path, fails_with):
+def test_export_bad_input_is_one_line(tmp_path, fails_with, trained):
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'none'}", "--to=x"], "does not exist")
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path}", "--to="], "--to is empty")  # not the current folder
     (tmp_path / "empty").mkdir()
@@ -407,7 +407,9 @@ def test_export_bad_input_is_one_line(tmp_path, fails_with):
     (tmp_path / "other" / "run.lock").rename(tmp_path / "other" / "last.pt")  # a run copied without its lock
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'other'}"],
                f"--to={tmp_path / 'other'} is another run's own folder: give another folder")
-    (tmp_path / "empty" / "config.json").write_text(json.dumps({"init_from": str(tmp_path / "gpt2")}))
+    written = json.loads((trained / "config.json").read_text())  # as train.py writes it, but started from gpt2/
+    written["config"]["init_from"] = str(tmp_path / "gpt2")
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(written))
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'gpt2'}"],
                f"--to={tmp_path / 'gpt2'} is the folder the run started from (init_from): give another folder")
     (tmp_path / "link").symlink_to(tmp_path / "empty")  # its config.json would replace the run's
