@@ -13,6 +13,7 @@ stream. A rerun with the same options continues from there and writes byte-ident
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import signal
 from itertools import islice
@@ -118,7 +119,7 @@ def read_progress(out_dir, settings: dict = None) -> dict:
                          f"prepare again")
     if settings is None:
         return progress
-    if other := differs(progress["settings"], settings):
+    if other := differs(progress["settings"], {k: v for k, v in settings.items() if k != "file_sizes"}):
         raise ValueError(f"{out_dir} holds an interrupted prepare with other settings ({other}; {path}): "
                          f"rerun it with the same options and input, or remove {out_dir}")
     _check_shards(out_dir, [shard for stream in progress["streams"].values() for shard in stream["shards"]])
@@ -146,8 +147,14 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
         progress = read_progress(out_dir, settings)
         streams = {name: ShardStream(out_dir, prefix, shard_tokens, split_of_shard[name],
                                      progress["streams"].get(name)) for name in split_of_shard}
+        whole = counts is not None  # (openwebtext's split counts every file's documents: none may change)
         counts = list(counts or progress["counts"])  # documents per file, as far as known
         start_doc = min(s.resume[0] for s in streams.values())
+        before, now = progress.get("settings", {}).get("file_sizes"), settings.get("file_sizes")
+        if (changed := _changed_in_shards(before, now, counts, math.inf if whole else start_doc)) is not None:
+            raise ValueError(f"{source.names[changed]} is not the file the interrupted prepare in {out_dir} read "
+                             f"({before[changed]:,} bytes then, {now[changed]:,} now): put it back, or remove "
+                             f"{out_dir} and prepare again")
         bar = tqdm(unit="tok", unit_scale=True, desc=f"{prefix} shards", disable=None,
                    initial=sum(sh["tokens"] for s in streams.values() for sh in s.shards))
 
@@ -241,6 +248,21 @@ def differs(made, settings: dict) -> str:
     """Which of `settings` a recorded prepare (`made`) had otherwise, as "shard_tokens, files differ"."""
     keys = [k for k, v in settings.items() if not isinstance(made, dict) or made.get(k) != v]
     return f"{', '.join(keys)} differ{'s' * (len(keys) == 1)}" if keys else ""
+
+
+def _changed_in_shards(before, now, counts: list, start_doc: int):
+    """The first local file of another size than when an interrupted prepare read it, of those with documents
+    in its written shards (before start_doc), or None: a file not reached yet may change (a bad line fixed)."""
+    first = 0
+    for i, (was, size) in enumerate(zip(before or [], now or [])):
+        if first >= start_doc:
+            return None
+        if was != size:
+            return i
+        if i == len(counts):  # read in part: the files after it were not reached
+            return None
+        first += counts[i]
+    return None
 
 
 def _check_shards(out_dir: Path, shards: list):

@@ -112,7 +112,7 @@ def test_openwebtext_prepare_splits_documents_by_nanogpts_rule(corpus, tmp_path)
 
 @pytest.mark.slow
 def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shards(corpus, tmp_path):
-    folder, _ = corpus
+    folder = Path(shutil.copytree(corpus[0], tmp_path / "corpus"))  # (changed below)
     args = [f"--input={folder}/part*", "--shard_tokens=3000", "--workers=1"]
     assert prepare("fineweb", *args, f"--out_dir={tmp_path / 'straight'}").returncode == 0
     out = tmp_path / "killed"
@@ -147,6 +147,21 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
     next(cut.glob("*_000001.bin")).unlink()
     gone = prepare("fineweb", *args, f"--out_dir={cut}")
     assert gone.returncode == 2 and "_000001.bin is missing or changed since it was written" in gone.stderr, gone.stderr
+    # a file the written shards hold documents of may not change (one replaced under its name mixed two
+    # corpora); one not reached yet may (a bad line fixed)
+    progress = json.loads((tmp_path / "moved" / ".progress.json").read_text())
+    assert progress["counts"][:1] == [900] and progress["streams"]["stream"]["resume"][0] < 1600  # part1: in part
+    originals = {name: (folder / name).read_bytes() for name in ("part0.parquet", "part2.jsonl")}
+    (folder / "part2.jsonl").write_bytes(originals["part2.jsonl"] + b'{"text": "one more"}\n')
+    later = prepare("fineweb", *args, f"--out_dir={shutil.copytree(tmp_path / 'moved', tmp_path / 'later')}")
+    assert later.returncode == 0 and "resuming: " in later.stdout, later.stderr
+    pq.write_table(pq.read_table(folder / "part0.parquet").slice(0, 899), folder / "part0.parquet")
+    mixed = prepare("fineweb", *args, f"--out_dir={tmp_path / 'moved'}")
+    assert mixed.returncode == 2 and mixed.stderr.startswith(f"error: {folder / 'part0.parquet'} is not the file the "
+                                                             f"interrupted prepare in {tmp_path / 'moved'} read ("), \
+        mixed.stderr
+    for name, data in originals.items():
+        (folder / name).write_bytes(data)
     resumed = prepare("fineweb", *args, f"--out_dir={tmp_path / 'moved'}")
     assert resumed.returncode == 0 and "resuming: " in resumed.stdout, resumed.stderr
     assert {p.name: p.read_bytes() for p in (tmp_path / "moved").iterdir()} == straight
@@ -376,6 +391,15 @@ def test_a_damaged_meta_or_progress_file_is_one_line_naming_it(corpus, tmp_path,
     assert f"error: {out / name}" in proc.stderr and f"remove {out} and prepare again" in proc.stderr, proc.stderr
     if "shards" in text:
         assert "the train shards add up to another count than train_tokens" in proc.stderr, proc.stderr
+
+
+def test_a_resume_lets_change_only_the_files_its_shards_hold_nothing_of():
+    # sizes then, sizes now, documents per file read whole, the first document not in a written shard
+    assert streaming._changed_in_shards([5, 6, 7], [5, 6, 8], [10, 10], 15) is None  # the third is not reached
+    assert streaming._changed_in_shards([5, 6, 7], [5, 9, 7], [10], 15) == 1  # read in part: its start is in shards
+    assert streaming._changed_in_shards([5, 6, 7], [5, 9, 7], [10], 10) is None  # ... not when a shard ends before it
+    assert streaming._changed_in_shards([5, 6, 7], [5, 6, 8], [10, 10, 10], float("inf")) == 2  # openwebtext: any
+    assert streaming._changed_in_shards(None, [5], [], 3) is None  # (the hub's files: no sizes)
 
 
 def test_a_glob_may_name_folders_too(tmp_path):
