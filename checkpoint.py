@@ -161,6 +161,13 @@ def read(path: Path, tensors: bool = True):
     raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {reason}")
 
 
+def shape_diff(saved: dict, model_args: dict) -> dict:
+    """{name: (saved, now)} where a checkpoint's model_args build another model (dropout aside; a field
+    older files lack has its default)."""
+    saved, now = ({**dataclasses.asdict(GPTConfig()), **args} for args in (saved, model_args))
+    return {k: (saved.get(k), v) for k, v in now.items() if k != "dropout" and saved.get(k) != v}
+
+
 def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
     """Read and check a checkpoint against the run that wants to continue it and its dataset's
     `meta` (a .dcp folder's tensors are not read here: every rank loads its own shards)."""
@@ -184,9 +191,7 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
         raise ConfigError(f"{path} was trained on another vocabulary than the dataset's (same size, other tokens): "
                           f"resume with the data it was trained on (data_dir={ckpt['config'].get('data_dir')!r}) "
                           f"or start afresh with --resume=never")
-    saved = {**dataclasses.asdict(GPTConfig()), **ckpt["model_args"]}  # older files lack newer fields
-    diff = {k: (saved.get(k), v) for k, v in model_args.items() if k != "dropout" and saved.get(k) != v}
-    if diff:
+    if diff := shape_diff(ckpt["model_args"], model_args):
         raise ConfigError(f"{path} holds another model shape (checkpoint, now): {diff}: resume with the shape it was "
                           f"trained with, or start afresh with --resume=never (or another --out_dir)")
     for name in ("global_batch_size", "seed"):

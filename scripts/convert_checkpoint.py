@@ -48,11 +48,15 @@ def main(argv=None):
         held = checkpoint.read(args.dest, tensors=False) if args.dest.exists() else {}
     except ConfigError:  # not a checkpoint: replaced, as --help says
         held = {}
+    held = held if isinstance(held, dict) else {}
     instead = f"write another file (e.g. {args.dest.with_name('converted.pt')}), or delete it first"
-    if isinstance(held, dict) and type(held.get("step")) is int and held["step"] > state["step"]:
+    if type(held.get("step")) is int and held["step"] > state["step"]:
         raise ConfigError(f"{args.dest} holds step {held['step']}, newer than {args.source}'s {state['step']}: "
                           f"{instead}")
-    if isinstance(held, dict) and any(held.get(k, state.get(k)) != state.get(k) for k in ("model_args", "vocab")):
+    other_shape = isinstance(held.get("model_args"), dict) and checkpoint.shape_diff(held["model_args"],
+                                                                                     state["model_args"])
+    other_vocab = all(isinstance(x.get("vocab"), dict) for x in (held, state)) and held["vocab"] != state["vocab"]
+    if other_shape or other_vocab:  # (not dropout, nor a field older files lack: the same model)
         raise ConfigError(f"{args.dest} holds another run's checkpoint (another model or vocabulary): {instead}")
     try:
         checkpoint.write(state, args.dest)

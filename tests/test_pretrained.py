@@ -412,6 +412,9 @@ def test_export_bad_input_is_one_line(tmp_path, fails_with, trained):
     (tmp_path / "empty" / "config.json").write_text(json.dumps(written))
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'gpt2'}"],
                f"--to={tmp_path / 'gpt2'} is the folder the run started from (init_from): give another folder")
+    written["config"]["init_from"] = "gpt2"  # the released model, from the cache: a folder named gpt2 is not it
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(written))
+    fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", "--to=gpt2"], "no best.pt, last.pt")
     (tmp_path / "link").symlink_to(tmp_path / "empty")  # its config.json would replace the run's
     for to in (tmp_path / "empty", tmp_path / "link"):
         fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={to}"],
