@@ -11,6 +11,7 @@ passes). Memory: 8 bytes a window for the order; the tokens stay on disk until r
 """
 
 import importlib
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -196,13 +197,16 @@ class Dataset:
             raise ConfigError(f"no dataset in {self.dir}: this corpus is too large to prepare at "
                               f"start-up; run python data/{cfg.dataset}/prepare.py --out_dir {self.dir} "
                               f"first (see docs/data.md)")
-        own = self.dir.resolve() == script.parent.resolve()  # (data/NAME holds its prepare.py)
+        here, given = os.path.realpath(self.dir), os.path.realpath(cfg.prepare_input or "/")  # (given: DIR/book.txt?)
+        ours = {"input.txt", "lost+found", os.path.basename(given) * (os.path.dirname(given) == here)}
+        own = here == os.path.realpath(script.parent)  # data/NAME, which holds its prepare.py
         others = [] if own or not self.dir.is_dir() else sorted(
-            p.name for p in self.dir.iterdir() if not p.name.startswith(".") and p.name != "input.txt")
+            p.name for p in self.dir.iterdir() if not p.name.startswith(".") and p.name not in ours)
         if others:  # a mistyped --data_dir: data/shakespeare once got characters, a home folder a dataset
             raise ConfigError(f"no dataset in {self.dir} (meta.json missing), and it holds other files ("
-                              f"{', '.join(others[:3])}{', ...' * (len(others) > 3)}): train.py prepares "
-                              f"{cfg.dataset} only into a new or empty folder: check --data_dir")
+                              f"{', '.join(others[:3])}{', ...' * (len(others) > 3)}): train.py prepares {cfg.dataset} "
+                              f"only into a new or empty folder: check --data_dir, or prepare it there yourself "
+                              f"(python data/{cfg.dataset}/prepare.py --out_dir {self.dir})")
         if cfg.prepare_input and not Path(cfg.prepare_input).exists():  # (a pipe reads; a folder is refused there)
             raise ConfigError(f"prepare_input {cfg.prepare_input} does not exist: the dataset in "
                               f"{self.dir} is missing and would be prepared from it")

@@ -374,6 +374,21 @@ def test_a_dataset_is_trained_with_prepare_input_only_if_made_from_that_text(tmp
     assert other_source({"source": {"path": "fifo"}}, "./fifo") is None
 
 
+def test_a_missing_dataset_is_prepared_only_into_a_folder_of_its_own(tmp_path):
+    from config import Config
+    from errors import ConfigError
+    from loader import Dataset
+    (tmp_path / "lost+found").mkdir()  # a fresh volume's
+    (tmp_path / "book.txt").write_text("the text to prepare, kept beside it\n" * 50)
+    for given in (tmp_path / "book.txt", tmp_path / ".." / tmp_path.name / "book.txt"):
+        assert Dataset(Config(data_dir=str(tmp_path), block_size=16, prepare_input=str(given))).meta is None
+    (tmp_path / "notes.md").write_text("")  # (the checks of another dataset's folder: test_bad_config.py)
+    with pytest.raises(ConfigError, match=re.escape(f"and it holds other files (book.txt, notes.md): train.py "
+                                                    f"prepares shakespeare_char only into a new or empty folder: check "
+                                                    f"--data_dir, or prepare it there yourself (python data/")):
+        Dataset(Config(data_dir=str(tmp_path), block_size=16))
+
+
 @pytest.mark.parametrize("other", ["fineweb_val_000000.bin", ".progress.json"])
 def test_a_small_prepare_never_writes_over_a_sharded_dataset(tmp_path, other):
     (tmp_path / other).write_bytes(b"a shard, or a prepare of shards under way")
