@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import multiprocessing as mp
+import os
 import signal
 from itertools import islice
 from pathlib import Path
@@ -236,7 +237,8 @@ def finished(out_dir, settings: dict):
     if not (out_dir / "meta.json").is_file() or (out_dir / PROGRESS).is_file():
         return None
     meta = load_meta(out_dir, fix=f"remove {out_dir} and prepare again")
-    if other := differs(meta.get("prepared_with"), settings) if "shards" in meta else "not shards":
+    other = differs(meta.get("prepared_with"), settings) if "shards" in meta else "not as shards"
+    if other:
         raise ValueError(f"{out_dir} already holds a dataset prepared with other settings ({other}): remove it "
                          f"or choose another --out_dir")
     _check_shards(out_dir, meta["shards"]["train"] + meta["shards"]["val"])
@@ -245,9 +247,15 @@ def finished(out_dir, settings: dict):
 
 
 def differs(made, settings: dict) -> str:
-    """Which of `settings` a recorded prepare (`made`) had otherwise, as "shard_tokens, files differ"."""
-    keys = [k for k, v in settings.items() if not isinstance(made, dict) or made.get(k) != v]
-    return f"{', '.join(keys)} differ{'s' * (len(keys) == 1)}" if keys else ""
+    """Which of `settings` a recorded prepare (`made`) had otherwise ("shard_tokens, input file sizes"), or "".
+    Prepares before file sizes were recorded named the files as given: the same files by absolute path."""
+    def same(key, value):
+        if key == "file_sizes" and key not in made or made.get(key) == value:
+            return True
+        return key == "files" and isinstance(made[key], list) and [os.path.abspath(str(f)) for f in made[key]] == value
+    labels = {"files": "input files", "file_sizes": "input file sizes"}
+    return ", ".join(labels.get(k, k) for k, v in settings.items() if not same(k, v)) if isinstance(made, dict) \
+        else "none recorded"
 
 
 def _changed_in_shards(before, now, counts: list, start_doc: int):

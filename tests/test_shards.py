@@ -141,7 +141,7 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
         shutil.copytree(disk / "out", tmp_path / "moved")
     # what it wrote is taken up only with the same settings, and only while each shard is as written
     other = prepare("fineweb", *args[:-2], "--shard_tokens=4000", "--workers=1", f"--out_dir={tmp_path / 'moved'}")
-    assert other.returncode == 2 and "holds an interrupted prepare with other settings (shard_tokens differs; " \
+    assert other.returncode == 2 and "holds an interrupted prepare with other settings (shard_tokens; " \
         in other.stderr, other.stderr
     cut = Path(shutil.copytree(tmp_path / "moved", tmp_path / "cut"))
     next(cut.glob("*_000001.bin")).unlink()
@@ -178,13 +178,18 @@ def test_preparing_again_leaves_a_finished_dataset_alone(corpus, tmp_path):
     again = prepare("fineweb", f"--input={os.path.relpath(source, REPO)}", *args[1:])  # the same file, named so
     assert again.returncode == 0 and "is already prepared" in again.stdout, again.stderr
     other = prepare("fineweb", *args[:-2], "--shard_tokens=60000", "--workers=1")
-    assert other.returncode == 2 and "already holds a dataset prepared with other settings (shard_tokens differs)" \
+    assert other.returncode == 2 and "already holds a dataset prepared with other settings (shard_tokens)" \
         in other.stderr
     source.write_bytes(source.read_bytes()[:5000].rsplit(b"\n", 1)[0] + b"\n")  # other text under the same name
     mixed = prepare("fineweb", *args)
-    assert mixed.returncode == 2 and "prepared with other settings (file_sizes differs)" in mixed.stderr, mixed.stderr
+    assert mixed.returncode == 2 and "prepared with other settings (input file sizes)" in mixed.stderr, mixed.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     shutil.copy(folder / "part2.jsonl", source)
+    meta = json.loads((out / "meta.json").read_text())  # as prepares wrote it before sizes were recorded
+    made = {k: v for k, v in meta["prepared_with"].items() if k != "file_sizes"}
+    (out / "meta.json").write_text(json.dumps({**meta, "prepared_with": {
+        **made, "files": [os.path.relpath(source, REPO)], "input": os.path.relpath(source, REPO)}}))
+    assert "is already prepared" in prepare("fineweb", *args).stdout  # (it said: remove it)
     shard = next(p for p in out.iterdir() if p.name.endswith(".bin"))  # appended to: its size says so
     with open(shard, "ab") as f:
         f.write(b"\0\0")
