@@ -14,7 +14,6 @@ import os
 import select
 import signal
 import socket
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -23,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from errors import SEE_OTHER_RANK, CollectiveFailed, ConfigError, GroupNotFormed, RunError, UnreadableCheckpoint
+from errors import SEE_OTHER_RANK, CollectiveFailed, ConfigError, GroupNotFormed, RunError, UnreadableCheckpoint, say
 
 
 def agree_max(value: int, world) -> int:
@@ -156,7 +155,7 @@ def _watch(world, address: str, dist_timeout: float, pipe: tuple):
             return [os.close(fd) for fd in pipe]
         how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         error, status = f"interrupted ({how}) while the process group formed", 128 + signum
-    print(f"error: {error}", file=sys.stderr, flush=True)
+    say(f"error: {error}")  # (under train_spawn.py, into its folder of ranks' lines: printed once)
     os._exit(status)
 
 
