@@ -196,6 +196,13 @@ def load_file(path: str) -> dict:
     return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, skip)}
 
 
+def near_gpt2_name(name: str, known=GPT2_NAMES) -> str:
+    """": did you mean 'gpt2'?" for a name near one of `known` (gpt2-small, the hub's openai-community/gpt2), or ""."""
+    bare = name.removeprefix("openai-community/")
+    close = [] if "/" in bare else difflib.get_close_matches(bare.replace("-small", ""), known, n=1)  # (not -xl)
+    return f": did you mean '{close[0]}'?" if close else ""
+
+
 def _exists(path: str) -> bool:
     try:
         return Path(path).exists()
@@ -240,9 +247,8 @@ def validate(cfg: Config) -> Config:
          "--checkpoint_format=sharded")
     known = ("scratch", "resume", *GPT2_NAMES)
     if cfg.init_from not in known and "/" not in cfg.init_from and not _exists(cfg.init_from):
-        close = difflib.get_close_matches(cfg.init_from.replace("-small", ""), known, n=1)  # (not gpt2-xl)
         raise ConfigError(f"init_from {cfg.init_from!r} is not scratch, resume, a GPT-2 name ({', '.join(GPT2_NAMES)}) "
-                          f"or a folder" + (f": did you mean '{close[0]}'?" if close else ""))
+                          f"or a folder{near_gpt2_name(cfg.init_from, known)}")
     need(not (cfg.init_from == "resume" and cfg.resume == "never"),
          "init_from='resume' needs a checkpoint but resume='never' forbids one: use --resume=auto "
          "(out_dir/last.pt) or --resume=PATH.pt, or --init_from=scratch")

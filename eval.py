@@ -103,7 +103,7 @@ def main(argv=None):
         if score is not None:
             if score.truncated:
                 print(f"note: {score.truncated} example{'s' * (score.truncated != 1)} did not fit block_size "
-                      f"({model.config.block_size}): their contexts lost tokens from the left (an ending still too "
+                      f"({model.config.block_size}): contexts lost tokens from the left (an ending still too "
                       f"long, from its end)")
             print(score.line())
     return score

@@ -12,7 +12,6 @@ Under several processes train.py's rank 0 reads and the other ranks receive, as 
 other hosts need no copy (eval.py loads on every rank).
 """
 
-import difflib
 import functools
 from contextlib import suppress
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint
-from config import GPT2_NAMES
+from config import GPT2_NAMES, near_gpt2_name
 from data.dataset import GPT2_META, GPT2_VOCAB_SIZE, load_meta
 from data.files import read_json
 from errors import ConfigError, UnreadableCheckpoint, first_line, load_failure
@@ -116,10 +115,9 @@ def locate(init_from: str) -> Path:
     if init_from not in RELEASED:
         folder = Path(init_from)
         if not is_model_folder(folder):
-            close = difflib.get_close_matches(init_from.split("/")[-1].replace("-small", ""), RELEASED, n=1)
             hint = (" (its weights are in shards, which are not read: save it with a larger max_shard_size)"
                     if (folder / "model.safetensors.index.json").exists() else
-                    f": did you mean '{close[0]}'?" if close and not folder.exists() else "")
+                    "" if folder.exists() else near_gpt2_name(init_from))
             raise ConfigError(f"init_from {init_from}: no Hugging Face GPT-2 model there (a folder with "
                               f"config.json and model.safetensors or pytorch_model.bin){hint}")
         return folder
@@ -141,6 +139,17 @@ def locate(init_from: str) -> Path:
             f"{RELEASED[init_from]} config.json model.safetensors --local-dir {init_from}` (`huggingface-cli "
             f"download` before huggingface_hub 1.0) and pass --init_from=./{init_from} (a path), or copy its "
             f"cache (~/.cache/huggingface/hub)") from None
+
+
+def gpt2_shape(init_from: str) -> dict:
+    """read_shape of a released GPT-2 or a Hugging Face folder, which must be of GPT-2's BPE: the one
+    tokenizer init_from brings (an export of a character-level run is not)."""
+    shape = read_shape(locate(init_from))
+    if shape["vocab_size"] != GPT2_VOCAB_SIZE:
+        raise ConfigError(f"{init_from} has a vocabulary of {shape['vocab_size']} tokens, not GPT-2's BPE "
+                          f"({GPT2_VOCAB_SIZE}): init_from takes GPT-2 BPE models only (a run of other tokens "
+                          f"is used, or goes on, from its own checkpoint: --out_dir)")
+    return shape
 
 
 def read_shape(folder: Path) -> dict:
@@ -186,16 +195,12 @@ def model_args(cfg, meta: dict) -> dict:
         return cfg.model_args(meta["vocab_size"])
     if resumed := resumed_shape(cfg):
         return {**cfg.model_args(meta["vocab_size"]), **resumed}
-    shape = read_shape(locate(cfg.init_from))
+    shape = gpt2_shape(cfg.init_from)
     if cfg.block_size > shape["block_size"]:
         raise ConfigError(f"block_size {cfg.block_size} is longer than {cfg.init_from}'s {shape['block_size']} "
                           f"positions: use --block_size={shape['block_size']} or less (the table is cropped)")
     if not cfg.bias:
         raise ConfigError(f"{cfg.init_from} has biases in every Linear and LayerNorm: --bias=false cannot load it")
-    if shape["vocab_size"] != GPT2_VOCAB_SIZE:  # (an export of a character-level run)
-        raise ConfigError(f"{cfg.init_from} has a vocabulary of {shape['vocab_size']} tokens, not GPT-2's BPE "
-                          f"({GPT2_VOCAB_SIZE}): init_from takes GPT-2 BPE models (a run goes on from its own "
-                          f"checkpoint: train again with its --out_dir)")
     if meta["vocab_size"] != shape["vocab_size"] or meta["tokenizer"] != "gpt2":
         raise ConfigError(f"{cfg.init_from} reads GPT-2 BPE tokens ({shape['vocab_size']} of them), but the dataset "
                           f"is {meta['tokenizer']} with {meta['vocab_size']}: use a GPT-2 BPE dataset, "
@@ -320,9 +325,5 @@ def load_for_text(init_from: str, out_dir, device, prefer: str = None) -> tuple:
     if not init_from:
         model, meta, path, step = load_model(Path(out_dir), device, prefer or "best")
         return model, meta, f"{path} (step {step})"
-    shape = read_shape(locate(init_from))  # refused before its weights are read
-    if shape["vocab_size"] != GPT2_VOCAB_SIZE:
-        raise ConfigError(f"{init_from} has a vocabulary of {shape['vocab_size']} tokens, not GPT-2's BPE "
-                          f"({GPT2_VOCAB_SIZE}), the one tokenizer --init_from reads text with: use the run's "
-                          f"checkpoint and meta.json instead (--out_dir)")
+    shape = gpt2_shape(init_from)  # refused before its weights are read
     return load_gpt(init_from, device, shape), dict(GPT2_META), init_from

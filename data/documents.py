@@ -91,7 +91,7 @@ def local_source(pattern: str) -> Source:
         folder = f"is a folder: give its files ({pattern.rstrip('/')}/*.jsonl, say)" if Path(pattern).is_dir() else ""
         raise FileNotFoundError(f"--input {pattern} {folder or 'matches no file'}")
     return Source([os.path.abspath(f) for f in files], lambda i: files[i], sizes=[f.stat().st_size for f in files],
-                  description={"name": "local files", "input": pattern, "files": len(files)})
+                  description={"name": "local files", "input": os.path.abspath(pattern), "files": len(files)})
 
 
 @contextmanager

@@ -147,8 +147,8 @@ def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path
     transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=50257, n_positions=24, n_embd=32, n_layer=2, n_head=2)).save_pretrained(short)
     out = run_eval(["--init_from", short, "--hellaswag", path], capsys)
-    assert out[-2] == (f"note: {long} examples did not fit block_size (24): their contexts lost tokens from the "
-                       f"left (an ending still too long, from its end)")
+    assert out[-2] == (f"note: {long} examples did not fit block_size (24): contexts lost tokens from the left "
+                       f"(an ending still too long, from its end)")
     assert LINE.fullmatch(out[-1]) and out[-1].endswith("over 12 examples")
     with pytest.raises(ConfigError, match="block_size of at least 2, not 1"):  # no ending token would be scored
         hellaswag.load(str(path), block_size=1)

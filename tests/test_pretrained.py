@@ -388,7 +388,7 @@ def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data,
     # no tokenizer for its characters comes with it: sample.py and eval.py refuse it as text
     for cmd in ("sample.py", "eval.py"):
         fails_with([cmd, f"--init_from={tmp_path / 'hf'}", "--device=cpu"], f"has a vocabulary of {hf.config.vocab_size} "
-                   "tokens, not GPT-2's BPE (50257)", "(--out_dir)")
+                   "tokens, not GPT-2's BPE (50257)", "from its own checkpoint: --out_dir)")
     # nor does train.py start from it (it said the folder "reads GPT-2 BPE tokens (68 of them)")
     fails_with(["train.py", *tiny_args(char_data, tmp_path / "again", init_from=str(tmp_path / "hf"))],
                f"has a vocabulary of {hf.config.vocab_size} tokens, not GPT-2's BPE (50257): init_from takes GPT-2 BPE")
@@ -454,6 +454,7 @@ def test_sample_init_from_missing_folder_is_one_line(tmp_path, fails_with):
     fails_with(["sample.py", f"--init_from={tmp_path / 'half'}"], "(its weights are in shards, which are not read")
     fails_with(["sample.py", "--init_from=gpt2-small"], "no Hugging Face GPT-2 model there", "did you mean 'gpt2'?")
     fails_with(["eval.py", "--init_from=openai-community/gpt2-xl"], "did you mean 'gpt2-xl'?")  # (the hub's name)
+    assert "did you mean" not in fails_with(["sample.py", f"--init_from={tmp_path / 'ft' / 'gpt2-large'}"])  # a path
     for tool in ("sample.py", "eval.py"):  # --out_dir was ignored without a word
         fails_with([tool, "--init_from=gpt2", "--out_dir=out"], "both name the model: give one")
 

@@ -210,8 +210,8 @@ def test_the_converter_checks_a_folder_before_writing(sharded, tmp_path, script,
                                                   f"and resume= expect\n"), ran.stderr
     (tmp_path / "file").write_text("")
     ran = script("scripts/convert_checkpoint.py", out / "last.dcp", tmp_path / "file" / "x.pt")  # was "File exists"
-    assert ran.returncode == 2 and ran.stderr == f"error: cannot write {tmp_path / 'file' / 'x.pt'}: it is a file, or " \
-        f"lies under one\n", ran.stderr
+    assert ran.returncode == 2 and ran.stderr == (f"error: cannot write {tmp_path / 'file' / 'x.pt'}: it is a file, "
+                                                  f"or lies under one\n"), ran.stderr
     assert not (tmp_path / "x.bin").exists()
     run_json = out / "last.dcp" / "run.json"
     run_json.write_text(json.dumps({k: v for k, v in json.loads(run_json.read_text()).items() if k != "step"}))
