@@ -101,9 +101,10 @@ class ShardStream:
         on_shard()
 
 
-def read_progress(out_dir, settings: dict = None) -> dict:
+def read_progress(out_dir, settings: dict = None, every_file: bool = False) -> dict:
     """out_dir's .progress.json (empty without one), checked to be what write_shards writes there,
-    and (given `settings`) to be a prepare with these settings whose shards are all in place."""
+    and (given `settings`) to be a prepare with these settings whose shards are all in place, over
+    the same files (those not read into shards yet may change, unless `every_file`)."""
     path = Path(out_dir) / PROGRESS
     if not path.is_file():
         return {"counts": [], "streams": {}}
@@ -123,6 +124,12 @@ def read_progress(out_dir, settings: dict = None) -> dict:
     if other := differs(progress["settings"], {k: v for k, v in settings.items() if k != "file_sizes"}):
         raise ValueError(f"{out_dir} holds an interrupted prepare with other settings ({other}; {path}): "
                          f"rerun it with the same options and input, or remove {out_dir}")
+    before, now = progress["settings"].get("file_sizes"), settings.get("file_sizes")
+    start_doc = math.inf if every_file else min((s["resume"][0] for s in progress["streams"].values()), default=0)
+    if (changed := _changed_in_shards(before, now, progress["counts"], start_doc)) is not None:
+        raise ValueError(f"{settings['files'][changed]} is not the file the interrupted prepare in {out_dir} read "
+                         f"({before[changed]:,} bytes then, {now[changed]:,} now): put it back, or remove "
+                         f"{out_dir} and prepare again")
     _check_shards(out_dir, [shard for stream in progress["streams"].values() for shard in stream["shards"]])
     print(f"resuming: {sum(len(s['shards']) for s in progress['streams'].values())} shards "
           f"already written in {out_dir}")
@@ -145,17 +152,11 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
         settings = recorded(settings, prefix, shard_tokens, source)
         if (meta := finished(out_dir, settings)) is not None:
             return meta
-        progress = read_progress(out_dir, settings)
+        progress = read_progress(out_dir, settings, every_file=counts is not None)  # (openwebtext's split counts all)
         streams = {name: ShardStream(out_dir, prefix, shard_tokens, split_of_shard[name],
                                      progress["streams"].get(name)) for name in split_of_shard}
-        whole = counts is not None  # (openwebtext's split counts every file's documents: none may change)
         counts = list(counts or progress["counts"])  # documents per file, as far as known
         start_doc = min(s.resume[0] for s in streams.values())
-        before, now = progress.get("settings", {}).get("file_sizes"), settings.get("file_sizes")
-        if (changed := _changed_in_shards(before, now, counts, math.inf if whole else start_doc)) is not None:
-            raise ValueError(f"{source.names[changed]} is not the file the interrupted prepare in {out_dir} read "
-                             f"({before[changed]:,} bytes then, {now[changed]:,} now): put it back, or remove "
-                             f"{out_dir} and prepare again")
         bar = tqdm(unit="tok", unit_scale=True, desc=f"{prefix} shards", disable=None,
                    initial=sum(sh["tokens"] for s in streams.values() for sh in s.shards))
 
