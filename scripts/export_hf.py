@@ -77,9 +77,9 @@ def main(argv=None):
     pretrained.run_folder(out_dir)
     mine = os.path.realpath(to) == os.path.realpath(out_dir)  # (Path.resolve raises on a link loop)
     try:  # the Hugging Face folder the run started from: its weights would be replaced
-        began = json.loads((out_dir / "config.json").read_text())["config"]["init_from"]  # (as logger.py writes it)
-        began = began not in pretrained.RELEASED and pretrained.is_pretrained(began) and \
-            os.path.realpath(to) == os.path.realpath(began)  # (a relative path: from where training ran)
+        start = json.loads((out_dir / "config.json").read_text())["config"]["init_from"]  # (as logger.py writes it)
+        began = start not in pretrained.RELEASED and pretrained.is_pretrained(start) and \
+            os.path.realpath(to) == os.path.realpath(start)  # (a relative path: from where training ran)
     except (OSError, ValueError, LookupError, TypeError):  # (no config.json: an older run, or one copied without it)
         began = False
     run = any((to / name).exists() for name in checkpoint.WRITTEN if name != "config.json") or any(to.glob("*.dcp"))
