@@ -50,7 +50,8 @@ def parse_args(argv=None):
 
 def read_prompt(start: str) -> str:
     if start.startswith("FILE:"):
-        path = Path(start[5:])
+        if not (path := Path(start[5:])).name:
+            raise ConfigError(f"{start!r} names no file: give --start=FILE:PATH (a text file)")
         if why := why_unreadable(path):
             raise ConfigError(f"prompt file {path} {why}")
         try:

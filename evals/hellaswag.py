@@ -89,7 +89,8 @@ def parse_line(line: str, where: str) -> tuple:
         raise ConfigError(f"{where}: ctx must be a non-empty string")
     if not isinstance(endings, list) or len(endings) != ENDINGS or not all(isinstance(e, str) for e in endings):
         got = (type(endings).__name__ if not isinstance(endings, list) else f"{len(endings)} items"
-               if len(endings) != ENDINGS else next(repr(e) for e in endings if not isinstance(e, str)))
+               if len(endings) != ENDINGS else next(f"{e!r} ({type(e).__name__})" for e in endings
+                                                    if not isinstance(e, str)))
         raise ConfigError(f"{where}: endings must be a list of {ENDINGS} strings, got {got}")
     if type(label) is not int or not 0 <= label < ENDINGS:
         raise ConfigError(f"{where}: label must be 0, 1, 2 or 3, got {label!r}")

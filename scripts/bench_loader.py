@@ -116,7 +116,8 @@ def main():
                     runs.append(json.loads(out.stdout))
             r = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
             layout = "one train.bin" if shards == 1 else f"{shards} shards"
-            print(f"| {size / 1e6:,.0f} MB | {layout} | {r['windows']:,} | {r['startup_s'] * 1e3:,.1f} ms | "
+            mb = f"{size / 1e6:,.{0 if size >= 1e6 else 2}f}"  # (a size under 1 MB was printed as 0 MB)
+            print(f"| {mb} MB | {layout} | {r['windows']:,} | {r['startup_s'] * 1e3:,.1f} ms | "
                   f"{r['anon_mb']:,.0f} MB | {r['file_mb']:,.0f} MB | {r['batches_per_s']:,.0f} |", flush=True)
 
 

@@ -162,7 +162,7 @@ def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path
     ('{"ctx": "a", "label": 0}', "lacks endings"),
     ('{"ctx": " ", "endings": ["b", "c", "d", "e"], "label": 0}', "ctx must be a non-empty string"),  # blank
     ('{"ctx": "a", "endings": ["b", "c", "d"], "label": 0}', "endings must be a list of 4 strings, got 3 items"),
-    ('{"ctx": "a", "endings": ["b", "c", "d", 5], "label": 0}', "list of 4 strings, got 5"),  # (was "got 4 items")
+    ('{"ctx": "a", "endings": ["b", "c", "d", 5], "label": 0}', "of 4 strings, got 5 (int)"),  # (was "got 4 items")
     ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 4}', "label must be 0, 1, 2 or 3"),
     ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": true}', "label must be 0, 1, 2 or 3"),  # not 1
     ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": "4"}', "label must be 0, 1, 2 or 3, got '4'"),

@@ -446,6 +446,13 @@ def test_bench_loader_says_why_a_measurement_failed(script, monkeypatch):
                                                     "MemoryError: Unable to allocate 149. GiB\n"), proc.stderr
 
 
+def test_bench_loader_labels_a_dataset_under_a_megabyte(script, monkeypatch):
+    measured = json.dumps(dict(windows=20, startup_s=0.01, anon_mb=140, file_mb=1, batches_per_s=9000))
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess([], 0, measured, ""))
+    proc = script("scripts/bench_loader.py", "--sizes=4e5", "--block_size=16")
+    assert proc.returncode == 0 and "| 0.40 MB | one train.bin | 20 |" in proc.stdout, proc.stdout  # (was "0 MB")
+
+
 @pytest.mark.slow
 def test_a_tool_piped_into_head_ends_quietly(a_run):
     """`sample.py | head -1`: the reader goes away mid-output; the writer ends as a pipe's writer

@@ -111,6 +111,7 @@ def older(out):
     (["--device=tpu"], "device 'tpu' is not one this trainer runs on"),
     (["--start=FILE:/nonexistent/prompt.txt"], "prompt file /nonexistent/prompt.txt does not exist"),
     ([lambda tmp: f"--start=FILE:{tmp}"], "is a folder"),
+    (["--start=FILE:"], "'FILE:' names no file: give --start=FILE:PATH (a text file)"),  # (was "prompt file .")
     (["--temperature=abc"], "argument --temperature: invalid float value: 'abc' (see sample.py --help)"),
     (["--start="], "the prompt is empty"),
     ([lambda tmp: f"--start=FILE:{write(tmp / 'empty.txt', b'')}"], "the prompt is empty"),
