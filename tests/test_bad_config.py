@@ -644,13 +644,13 @@ def test_help_lists_every_config_name_with_its_default(capsys):
 
 
 @pytest.mark.parametrize("addr, port", [("127.0.0.1", "abc"), ("127.0.0.1", "99999"), ("127.0.0.1", None),
-                                        (None, "29500")])
+                                        (None, "29500"), ("127.0.0.1", "0")])  # (0: the store would bind any port)
 def test_a_master_address_or_port_that_cannot_be_is_a_clear_error(char_data, tmp_path, monkeypatch, capsys, addr,
                                                                    port):
     """Found before the group forms (exit 2), not as a group that could not form (exit 1)."""
     for name, value in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR=addr, MASTER_PORT=port).items():
         monkeypatch.setenv(name, value) if value is not None else monkeypatch.delenv(name, raising=False)
-    code, err = run_cli(tiny_args(char_data, tmp_path / "out"), monkeypatch, capsys)
+    code, err = run_cli(tiny_args(char_data, tmp_path / "out", dist_timeout=2), monkeypatch, capsys)  # (not 600 s)
     assert code == 2 and err == (f"error: 2 processes need MASTER_ADDR (rank 0's host) and MASTER_PORT (a port, "
                                  f"1-65535), got {addr!r} and {port!r}: check the launch command\n"), err
 

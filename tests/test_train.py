@@ -22,7 +22,7 @@ def test_single_process_run_lowers_val_loss(char_data, tmp_path):
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5
     assert sorted(p.name for p in tmp_path.iterdir()) == EXPECTED_FILES
     saved = ckpt(tmp_path)
-    assert saved["step"] == 60 and saved["loader"]["position"] > 0
+    assert saved["step"] == 60 and saved["loader"]["position"] > 0 and saved["tokens_seen"] == 60 * 8 * 16
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in saved["model"])
 
 
@@ -83,6 +83,8 @@ def test_the_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr():
     assert [get_lr(step, cfg) for step in (4, 9, 14, 20)] == pytest.approx([1.0, 0.6, 0.2, 0.2])
     assert get_lr(1500, resolve(["--learning_rate=1.0"])) == pytest.approx(0.1)  # min_lr None: a tenth
     assert get_lr(20, resolve(["--learning_rate=1.0", "--decay_lr=false"])) == 1.0
+    hold = resolve(["--learning_rate=1.0", "--warmup_iters=4", "--lr_decay_iters=4", "--min_lr=0.2"])
+    assert [get_lr(step, hold) for step in (3, 4, 5)] == pytest.approx([0.8, 0.2, 0.2])  # warm up, then hold
 
 
 def test_a_step_seeds_dropout_from_the_seed_this_rank_and_this_step(monkeypatch):
@@ -98,12 +100,39 @@ def test_a_step_seeds_dropout_from_the_seed_this_rank_and_this_step(monkeypatch)
     assert seeds == [train.dropout_seed(5, 3, 11)]
 
 
-@pytest.mark.parametrize("stop_at", [None, 8])
+def test_micro_batches_give_the_whole_batch_gradient_and_mean_loss():
+    """Each micro-batch's loss is its own mean: / accum makes the summed gradient the whole batch's."""
+    import contextlib
+    import train
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=11))
+    batch = torch.randint(11, (8, 9))
+
+    class Batches:  # the batch whole, or in `accum` parts
+        def __init__(self, accum):
+            self.parts = iter(batch.chunk(accum))
+
+        def next_batch(self):
+            part = next(self.parts)
+            return part[:, :-1], part[:, 1:]
+    seen = []
+    for accum in (1, 2, 4):
+        loss = train.accumulate_gradients(model, model, Batches(accum), accum, contextlib.nullcontext(),
+                                          torch.amp.GradScaler("cpu", enabled=False))
+        seen.append((loss, [p.grad for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    for loss, grads in seen[1:]:
+        assert torch.allclose(loss, seen[0][0]) and all(map(torch.allclose, grads, seen[0][1]))
+
+
+@pytest.mark.parametrize("stop_at", [None, 8, 10])
 def test_without_always_save_an_eval_saves_when_it_improves_at_the_end_and_at_a_stop(
         char_data, tmp_path, monkeypatch, stop_at):
     """always_save_checkpoint=False (configs/shakespeare_char.py): validation losses 5, 1, 3, 4 at steps
     0, 4, 8, 10. Step 4 improves (last and best); 8 does not (not saved), unless a stop ends the run
-    there; the last step is always saved. best.pt stays step 4's, also after a resume from the stop."""
+    there; the last step is always saved. best.pt stays step 4's, also after a resume from the stop.
+    A stop during the last step changes nothing: the run ends, evaluated, as one never sent it."""
     import os
     import train
     losses, step = iter([5.0, 5.0, 1.0, 1.0, 3.0, 3.0, 4.0, 4.0]), train.optimizer_step  # (train, val) per eval
@@ -115,9 +144,10 @@ def test_without_always_save_an_eval_saves_when_it_improves_at_the_end_and_at_a_
         return step(run)
     monkeypatch.setattr(train, "optimizer_step", stopped_during_step_8)
     result = train_here(char_data, tmp_path, max_iters=10, eval_interval=4, always_save_checkpoint=False)
-    assert (result["step"], result["stopped"]) == ((8, signal.SIGTERM) if stop_at else (10, 0))
+    assert (result["step"], result["stopped"]) == ((8, signal.SIGTERM) if stop_at == 8 else (10, 0))
     assert (ckpt(tmp_path)["step"], ckpt(tmp_path, "best.pt")["step"]) == (stop_at or 10, 4)
-    if stop_at:  # resumed: step 10's 4 does not improve on the best loss the checkpoint carries, step 4's 1
+    assert [r["step"] for r in metrics(tmp_path) if "val_loss" in r] == [0, 4, 8] + [10] * (stop_at != 8)
+    if stop_at == 8:  # resumed: step 10's 4 does not improve on the best loss the checkpoint carries, step 4's 1
         train_here(char_data, tmp_path, max_iters=10, eval_interval=4, always_save_checkpoint=False, resume="auto")
         last = ckpt(tmp_path)
         assert (last["step"], last["best_val_loss"], ckpt(tmp_path, "best.pt")["step"]) == (10, 1, 4)
@@ -184,6 +214,8 @@ def test_mixed_precision_runs_lower_the_loss(char_data, tmp_path, dtype, device)
     saved = ckpt(tmp_path)
     assert all(w.dtype == torch.float32 for w in saved["model"].values())  # master weights stay fp32
     assert bool(saved["scaler"]) == (dtype == "float16")  # the scaler is on only for float16
+    # clipped and logged unscaled: float16's scaled norm was 2**16 times it (72106, not 1.2)
+    assert all(r["grad_norm"] < 100 for r in metrics(tmp_path) if "loss" in r)
 
 
 def test_missing_dataset_is_prepared_by_local_rank_zero(char_data, tmp_path, monkeypatch):
@@ -352,3 +384,5 @@ def test_the_ranks_agree_on_a_stop_about_every_2_seconds_and_every_slow_step(mon
     monkeypatch.setattr(collectives.dist, "all_reduce", lambda votes, op: votes.add_(other))
     agree = collectives.Agreement(World(size=2), step=0)
     assert agree(torch.tensor(2.5), 0, [None], 1) == (2.5, signal.SIGTERM, [None])
+    alone = collectives.Agreement(World(), step=4)  # between its agreements, a single process stops on either
+    assert [alone.due(4, s) for s in (0, signal.SIGTERM, signal.SIGINT)] == [False, True, True]
