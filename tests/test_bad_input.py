@@ -184,6 +184,7 @@ SCALER = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_inter
     ("random bytes", "cannot read checkpoint"),
     ("other shape", "holds another model shape (checkpoint, now): {'n_embd': (32, 64)}: resume with the shape it "
                     "was trained with, or start afresh with --resume=never"),
+    ("other bias", "holds another model shape (checkpoint, now): {'bias': (True, False)}"),
     ("other seed", "was trained with seed=1337; resuming with 7 would change the data order"),
     ("other global batch", "was trained with global_batch_size=8; resuming with 16 would change the data order"),
     (lambda ck: ck.pop("loader"), "lacks ['loader']: it was not written by this train.py"),
@@ -219,7 +220,7 @@ def test_bad_checkpoints_are_clear_errors_naming_the_file(trained_copy, tmp_path
         os.mkfifo(path)
     elif isinstance(problem, str) and problem.startswith("other "):
         shutil.copy(out / "last.pt", path)
-        overrides = {"other shape": {"n_embd": 64}, "other seed": {"seed": 7},
+        overrides = {"other shape": {"n_embd": 64}, "other bias": {"bias": False}, "other seed": {"seed": 7},
                      "other global batch": {"global_batch_size": 16}}[problem]
     elif problem != "missing":
         ckpt = torch.load(out / "last.pt", weights_only=True)

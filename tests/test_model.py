@@ -208,6 +208,18 @@ def test_temperature_zero_and_top_k_one_are_greedy():
     assert torch.equal(top1, greedy)
 
 
+def test_sampling_divides_the_logits_by_the_temperature(monkeypatch):
+    """0.5 sharpens, 2 flattens (1.0, the only temperature sampled elsewhere, cannot tell * from /)."""
+    import model
+    seen = []
+    monkeypatch.setattr(model.torch, "multinomial", lambda probs, num_samples, generator: seen.append(probs) or
+                        probs.argmax(-1, keepdim=True))
+    for temperature in (0.5, 2.0):
+        model._sample(torch.tensor([[0.0, 1.0]]), temperature, None, None)
+    expected = [torch.softmax(torch.tensor([[0.0, scaled]]), -1) for scaled in (2.0, 0.5)]
+    assert all(map(torch.allclose, seen, expected)), seen
+
+
 def test_top_k_larger_than_vocab_is_clamped():
     model = small_model()
     out = model.generate(random_tokens(2, 4, 97), 10, top_k=10_000, generator=torch.Generator().manual_seed(0))

@@ -23,7 +23,7 @@ import torch
 import train
 from config import resolve
 from data import streaming
-from data.dataset import Shard, read_shard_header, write_shard
+from data.dataset import Shard, meta_from_shards, read_shard_header, write_shard
 from data.documents import local_source
 from data.tokenizers import gpt2_encoding
 from errors import ConfigError
@@ -515,6 +515,15 @@ def a_pipe_named_as_a_shard(d):
     threading.Thread(target=lambda: open(d / "x_train_000002.bin", "wb").close(), daemon=True).start()
 
 
+def test_a_train_shard_whose_name_holds_val_is_not_validated_on(tmp_path):
+    """("retrieval" holds "val": validation must not read training data.)"""
+    write_llm_c_shard(tmp_path / "retrieval_train_000000.bin", np.arange(5000))
+    write_llm_c_shard(tmp_path / "retrieval_val_000000.bin", np.arange(3000))
+    shards = meta_from_shards(tmp_path)["shards"]
+    assert [[e["file"] for e in shards[s]] for s in ("train", "val")] == [["retrieval_train_000000.bin"],
+                                                                          ["retrieval_val_000000.bin"]]
+
+
 @pytest.mark.parametrize("make, message", [
     (bad_length, "x_train_000001.bin: its header says 5,000 tokens but the file holds 5,001"),
     (a_pipe_named_as_a_shard, "x_train_000002.bin is named as a token shard but is not a file: move it out of"),
@@ -528,6 +537,8 @@ def a_pipe_named_as_a_shard(d):
      "x_train_000001.bin: magic number 12345 is not a token shard's"),
     (lambda d: write_llm_c_shard(d / "x_train_000001.bin", np.full(5000, 60000)),  # another tokenizer's ids
      "is >= vocab_size 50257: shards without a meta.json are read as GPT-2 BPE tokens, and these are not"),
+    (lambda d: (d / "x_train_000001.bin").write_bytes(np.array([20240520, 1, 0] + [0] * 22, "<i4").tobytes()),
+     "x_train_000001.bin is 100 bytes, too short for a shard header of 1024 bytes"),  # (its magic and version good)
     (lambda d: write_llm_c_shard(d / "x_train_000001.bin", np.arange(5000), version=7),
      "x_train_000001.bin: version 7 with magic 20240520, expected 1"),
     (seventeen_train_shards, "x_train_000017.bin: token id 60000 at position 0 is >= vocab_size 50257"),
