@@ -116,6 +116,21 @@ def test_generation_past_block_size_rebuilds_cache_and_matches_reference(block_s
     assert torch.equal(out, reference_greedy(model, idx, 60))
 
 
+def test_each_cached_step_sees_the_context_the_rule_gives(monkeypatch):
+    """Each step's logits are a full forward over reference_greedy's context. Random tokens are fed in:
+    a random model's greedy output repeats one token, which cannot show what context a step saw."""
+    import model as model_module
+    model, seen = small_model(dtype=torch.float64, block_size=8), []
+    idx, fed = random_tokens(2, 5, 97), random_tokens(2, 30, 97, seed=2)
+    monkeypatch.setattr(model_module, "_sample", lambda logits, *args: seen.append(logits) or
+                        fed[:, len(seen) - 1:len(seen)])
+    out, n_context = model.generate(idx, 30), 5
+    assert torch.equal(out[:, 5:], fed) and len(seen) == 30
+    for step, logits in enumerate(seen):
+        assert torch.allclose(logits, model(out[:, :5 + step][:, -n_context:])[0][:, -1]), step
+        n_context = n_context + 1 if n_context < 8 else 4  # past block_size: from its last half again
+
+
 def test_generation_crops_a_prompt_longer_than_block_size():
     model = small_model(dtype=torch.float64, block_size=16)
     idx = random_tokens(2, 40, 97)
