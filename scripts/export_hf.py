@@ -28,7 +28,7 @@ from safetensors.torch import save  # noqa: E402
 import checkpoint  # noqa: E402
 import pretrained  # noqa: E402
 from data.dataset import GPT2_EOT  # noqa: E402
-from data.files import atomic_write_bytes, fsync_dir  # noqa: E402
+from data.files import atomic_write_bytes, fsync_dir, read_json  # noqa: E402
 from data.tokenizers import write_gpt2_tokenizer_files  # noqa: E402
 from errors import ArgumentParser, ConfigError, first_line, reported, write_failure  # noqa: E402
 from model import GPT  # noqa: E402
@@ -77,7 +77,7 @@ def main(argv=None):
     pretrained.run_folder(out_dir)
     mine = os.path.realpath(to) == os.path.realpath(out_dir)  # (Path.resolve raises on a link loop)
     try:  # the Hugging Face folder the run started from: its weights would be replaced
-        start = json.loads((out_dir / "config.json").read_text())["config"]["init_from"]  # (as logger.py writes it)
+        start = read_json(out_dir / "config.json")["config"]["init_from"]  # (as logger.py writes it)
         began = start not in pretrained.RELEASED and pretrained.is_pretrained(start) and \
             os.path.realpath(to) == os.path.realpath(start)  # (a relative path: from where training ran)
     except (OSError, ValueError, LookupError, TypeError):  # (no config.json: an older run, or one copied without it)
