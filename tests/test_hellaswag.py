@@ -137,6 +137,8 @@ def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path
     assert cut.start == 1 and max(map(len, cut.rows)) == 5  # one context token kept; the long ending is cut
     one = hellaswag.render("a", ["w " * 10, "x", "y", "z"], 0, enc.encode_ordinary, 4)
     assert one.truncated and max(map(len, one.rows)) == 5  # (only its ending was cut: it went uncounted)
+    exact = hellaswag.render("a", ["w w w w", "x", "y", "z"], 0, enc.encode_ordinary, 4)
+    assert not exact.truncated and max(map(len, exact.rows)) == 5  # an ending of block_size tokens fits whole
     path = write_examples(tmp_path / "long.jsonl", 12, seed=1, ctx_words=(2, 40))
     examples = hellaswag.load(str(path), block_size=24)
     long = sum(len(enc.encode_ordinary(json.loads(line)["ctx"])) + max(len(enc.encode_ordinary(" " + e)) for e in
