@@ -51,9 +51,11 @@ def given(text: str) -> str:
 
 
 def _folder(text: str) -> str:
-    """--out_dir: given, and not a file (found once the whole corpus had been read, as "File exists")."""
-    if Path(given(text)).exists() and not Path(text).is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is not a folder: give the folder to write the dataset into")
+    """--out_dir: given, and neither a file nor under one (found once the whole corpus had been read)."""
+    path = Path(given(text))
+    found = next((p for p in (path, *path.parents) if p.exists()), path)  # the part that exists
+    if found.exists() and not found.is_dir():
+        raise argparse.ArgumentTypeError(f"{found} is not a folder: give the folder to write the dataset into")
     return text
 
 

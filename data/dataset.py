@@ -146,8 +146,8 @@ def has_tokens(data_dir) -> bool:
     return (Path(data_dir) / "meta.json").is_file() or has_shards(data_dir) or _not_a_folder(data_dir)
 
 
-def _not_a_folder(data_dir) -> bool:
-    return os.path.lexists(data_dir) and not os.path.isdir(data_dir)  # a file, a link to nothing
+def _not_a_folder(data_dir) -> bool:  # a file, a link to nothing, or under a file (which no prepare can make)
+    return any(os.path.lexists(p) and not os.path.isdir(p) for p in (Path(data_dir), *Path(data_dir).parents))
 
 
 def has_shards(data_dir) -> bool:
@@ -230,7 +230,7 @@ def load_meta(data_dir, fix: str = "") -> dict:
     path = Path(data_dir) / "meta.json"
     again = fix or _prepare_again(data_dir)
     if _not_a_folder(data_dir):
-        raise ValueError(f"data_dir {data_dir} is not a folder (a file, or a link to nothing): "
+        raise ValueError(f"data_dir {data_dir} is not a folder (a file, a link to nothing, or under a file): "
                          f"give the dataset's folder")
     if not path.is_file():
         if (Path(data_dir) / PROGRESS).is_file():  # its shards are not the whole corpus

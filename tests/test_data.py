@@ -439,9 +439,11 @@ def test_an_empty_out_dir_or_input_is_refused(tmp_path, script, name):
         assert proc.returncode == 2 and proc.stderr == (f"error: argument {option}: is empty: leave the option out "
                                                         f"for its default (see prepare.py --help)\n"), proc.stderr
     (tmp_path / "a_file").write_text("")  # a file, not a folder: said at once, not "File exists" after the corpus
-    proc = script(f"data/{name}/prepare.py", f"--input={tmp_path / 'missing.txt'}", f"--out_dir={tmp_path / 'a_file'}")
-    assert proc.returncode == 2 and proc.stderr == (f"error: argument --out_dir: {tmp_path / 'a_file'} is not a folder: "
-                                                    f"give the folder to write the dataset into (see prepare.py --help)\n")
+    for out_dir in ("a_file", "a_file/sub"):  # (under a file: not [Errno 20] Not a directory)
+        proc = script(f"data/{name}/prepare.py", f"--input={tmp_path / 'missing.txt'}", f"--out_dir={tmp_path / out_dir}")
+        assert proc.returncode == 2 and proc.stderr == (f"error: argument --out_dir: {tmp_path / 'a_file'} is not a "
+                                                        f"folder: give the folder to write the dataset into (see "
+                                                        f"prepare.py --help)\n"), proc.stderr
 
 
 def test_no_corpus_to_be_had_is_one_line(tmp_path, script, monkeypatch):

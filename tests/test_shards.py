@@ -528,8 +528,8 @@ def test_a_train_shard_whose_name_holds_val_is_not_validated_on(tmp_path):
     (bad_length, "x_train_000001.bin: its header says 5,000 tokens but the file holds 5,001"),
     (a_pipe_named_as_a_shard, "x_train_000002.bin is named as a token shard but is not a file: move it out of"),
     (lambda d: (d / "x_val_000001.bin").mkdir(), "x_val_000001.bin is named as a token shard but is not a file"),
-    (lambda d: shutil.rmtree(d) or d.write_bytes(b""), "is not a folder (a file, or a link to nothing)"),
-    (lambda d: shutil.rmtree(d) or d.symlink_to(d.parent / "unmounted"), "is not a folder (a file, or a link to"),
+    (lambda d: shutil.rmtree(d) or d.write_bytes(b""), "is not a folder (a file, a link to nothing, or under a file)"),
+    (lambda d: shutil.rmtree(d) or d.symlink_to(d.parent / "unmounted"), "is not a folder (a file, a link to nothing"),
     (lambda d: write_llm_c_shard(d / "x_train_000001.bin", np.arange(5000), magic=20240801, version=7,
                                  dtype=np.uint32), "shards of mixed dtypes"),
     (lambda d: (d / "x_train_000001.bin").unlink(), "has no meta.json and no *train*.bin shard"),
@@ -561,3 +561,12 @@ def test_broken_shards_are_one_line_errors_before_training(tmp_path, capsys, mak
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_data_dir_under_a_file_is_said_so_not_prepared(tmp_path, capsys):
+    (tmp_path / "f").write_text("")  # was: a download, then "[Errno 20] Not a directory" from the prepare
+    with pytest.raises(SystemExit) as exit_info:
+        train.cli(tiny_args(tmp_path / "f" / "data", tmp_path / "out", prepare_input=tmp_path / "missing.txt"))
+    assert exit_info.value.code == 2 and capsys.readouterr().err == (
+        f"error: data_dir {tmp_path / 'f' / 'data'} is not a folder (a file, a link to nothing, or under a file): "
+        f"give the dataset's folder\n")
