@@ -9,6 +9,7 @@ local UTF-8 text instead. Only prepare scripts import this module.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import tempfile
 import urllib.request
@@ -51,10 +52,11 @@ def given(text: str) -> str:
 
 
 def _folder(text: str) -> str:
-    """--out_dir: given, and neither a file nor under one (found once the whole corpus had been read)."""
+    """--out_dir: given, and neither a file, a link to nothing, nor under a file (else found once the whole
+    corpus had been read)."""
     path = Path(given(text))
-    found = next((p for p in (path, *path.parents) if p.exists()), path)  # the part that exists
-    if found.exists() and not found.is_dir():
+    found = next((p for p in (path, *path.parents) if os.path.lexists(p)), path)  # the part that exists
+    if os.path.lexists(found) and not found.is_dir():
         raise argparse.ArgumentTypeError(f"{found} is not a folder: give the folder to write the dataset into")
     return text
 
@@ -157,7 +159,7 @@ def load_corpus(out_dir, input_path=None) -> tuple:
         path = Path(input_path).resolve() if Path(input_path).is_file() else Path(input_path)  # (a pipe's own name)
         data = path.read_bytes()
         try:
-            text = data.decode("utf-8")
+            text = data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is no character of the text
         except UnicodeDecodeError as e:
             raise ValueError(f"input file {input_path} is not UTF-8 text (byte {data[e.start]:#04x} "
                              f"at offset {e.start}): convert it to UTF-8") from None

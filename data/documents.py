@@ -16,7 +16,7 @@ def read_documents(path: Path) -> Iterator[str]:
     """The documents of one file, in order; ValueError naming the file when it has no text."""
     if path.suffix == ".txt":
         try:
-            yield path.read_bytes().decode("utf-8")
+            yield path.read_bytes().decode("utf-8").removeprefix("\ufeff")  # (a byte-order mark is no text)
         except UnicodeDecodeError as e:
             raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start:,}): convert it") from None
     elif path.suffix == ".jsonl":
@@ -25,7 +25,7 @@ def read_documents(path: Path) -> Iterator[str]:
                 if not line.strip():
                     continue
                 try:
-                    record = parse_json(line.decode("utf-8"))
+                    record = parse_json(line.decode("utf-8").removeprefix("\ufeff"))
                 except ValueError as e:  # UnicodeDecodeError too
                     raise ValueError(f"{path}, line {line_number}: not a line of UTF-8 JSON ({e}): each line "
                                      f"must be a JSON object with the document in 'text'") from None

@@ -79,6 +79,9 @@ def test_char_prepare_round_trips_the_text(tmp_path, text_file):
     odd.write_bytes(TEXT.encode())
     char_prepare.main(["--input", str(odd), "--out_dir", str(tmp_path / "odd")])
     assert load_meta(tmp_path / "odd")["source"]["path"] == str(odd.resolve())
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + TEXT.encode())  # (Notepad's): not a vocabulary character
+    char_prepare.main(["--input", str(tmp_path / "bom.txt"), "--out_dir", str(tmp_path / "bom")])
+    assert (tmp_path / "bom" / "train.bin").read_bytes() == train.tobytes()
 
 
 @pytest.mark.slow
@@ -439,9 +442,10 @@ def test_an_empty_out_dir_or_input_is_refused(tmp_path, script, name):
         assert proc.returncode == 2 and proc.stderr == (f"error: argument {option}: is empty: leave the option out "
                                                         f"for its default (see prepare.py --help)\n"), proc.stderr
     (tmp_path / "a_file").write_text("")  # a file, not a folder: said at once, not "File exists" after the corpus
-    for out_dir in ("a_file", "a_file/sub"):  # (under a file: not [Errno 20] Not a directory)
+    (tmp_path / "a_link").symlink_to(tmp_path / "unmounted")
+    for out_dir, named in [("a_file", "a_file"), ("a_file/sub", "a_file"), ("a_link", "a_link")]:  # (not [Errno N])
         proc = script(f"data/{name}/prepare.py", f"--input={tmp_path / 'missing.txt'}", f"--out_dir={tmp_path / out_dir}")
-        assert proc.returncode == 2 and proc.stderr == (f"error: argument --out_dir: {tmp_path / 'a_file'} is not a "
+        assert proc.returncode == 2 and proc.stderr == (f"error: argument --out_dir: {tmp_path / named} is not a "
                                                         f"folder: give the folder to write the dataset into (see "
                                                         f"prepare.py --help)\n"), proc.stderr
 

@@ -348,16 +348,17 @@ def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script,
 
 
 def test_blank_jsonl_lines_are_skipped_and_a_null_parquet_text_is_an_empty_document(tmp_path, script):
-    (tmp_path / "corpus").mkdir()
-    (tmp_path / "corpus" / "a.jsonl").write_text('{"text": "a b"}\n\n{"text": "c"}\n\n')
+    (tmp_path / "corpus").mkdir()  # (a byte-order mark starting a .jsonl or a .txt file is no text)
+    (tmp_path / "corpus" / "a.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "a b"}\n\n{"text": "c"}\n\n')
     pq.write_table(pa.table({"text": ["d", None]}), tmp_path / "corpus" / "b.parquet")
+    (tmp_path / "corpus" / "c.txt").write_bytes(b"\xef\xbb\xbfe f")
     out = tmp_path / "out"
     proc = script("data/fineweb/prepare.py", f"--input={tmp_path}/corpus/*", f"--out_dir={out}", "--shard_tokens=2",
                   "--workers=1")
     assert proc.returncode == 0, proc.stderr
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["documents"] == 4 and np.array_equal(shard_tokens(out, meta["shards"]["val"] + meta["shards"]["train"]),
-                                                     encoded(["a b", "c", "d", ""]))
+    assert meta["documents"] == 5 and np.array_equal(shard_tokens(out, meta["shards"]["val"] + meta["shards"]["train"]),
+                                                     encoded(["a b", "c", "d", "", "e f"]))
 
 
 def test_a_tokenizing_worker_leaves_ctrl_c_to_the_main_process(monkeypatch):
