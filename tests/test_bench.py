@@ -254,3 +254,37 @@ def test_gpu_summary_tabulates_nanogpt_llmc_and_our_runs(tmp_path, capsys):
 def test_memory_guide_columns_come_in_order_each_once(script):
     out = script("scripts/memory_guide.py", "--world=8,2,2").stdout  # (were 8, 2, 2: unsorted, and W=2 twice)
     assert "| DDP (any W) | FSDP W=2 | FSDP W=8 | activations" in out.splitlines()[0]
+
+
+def test_a_step_takes_its_slowest_rank_and_the_report_derives_from_the_steps(monkeypatch):
+    import bench
+    monkeypatch.setattr(bench, "by_rank", lambda times, world: [[1.0, 5.0], [3.0, 2.0]])  # 2 ranks x 2 steps
+    assert bench.slowest_rank(None, None) == [3.0, 5.0]  # a step is done when every rank is
+
+    def figures(steps, nosync):
+        return dict(step_times=steps, step_times_nosync=nosync, config=dict(global_batch_size=8, batch_size=4),
+                    accumulation_steps=1, tokens_per_step=100, peak_memory=[1, 2], memory_kind="peak RSS",
+                    state_bytes={}, mfu=None)
+    one, two = bench.summarise("ddp", 1, figures([1.0, 1.0], [])), bench.summarise("ddp", 2, figures([2.0, 2.0],
+                                                                                                   [1.5, 1.5]))
+    assert (one["tokens_per_sec"], two["comm_share"], two["peak_memory_bytes"]) == (100, 0.25, 2)  # the sync's share
+    bench.add_scaling([one, two])
+    assert (one["scaling_efficiency"], two["scaling_efficiency"]) == (1.0, 0.25)  # 50 tokens/s of 2 x 100
+
+
+def test_the_memory_tables_in_the_docs_are_what_memory_guide_prints(script):
+    out = script("scripts/memory_guide.py").stdout.splitlines()
+    rows = [line for line in out if line.startswith("| gpt2")]
+    assert len(rows) == 4 and all(row in (REPO / "docs" / "fsdp.md").read_text() for row in rows), rows
+    for line in (line for line in out if line.startswith("- gpt2")):  # W=8: file | sharded | sharded + async
+        file, sharded, staged = (float(cell.split()[0]) for cell in line.split(": ")[1].split(" | "))
+        assert sharded == 0 and staged == pytest.approx(file / 8, abs=0.006), line  # (12 bytes/parameter, or 12/W)
+
+
+def test_bench_loader_makes_shards_their_headers_describe(tmp_path):
+    from data.dataset import read_shard_header
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_loader import make
+    files = make(tmp_path, 2 * 20 * 64, 2)
+    assert [read_shard_header(path) for path, _, _ in files] == [("uint16", 1280)] * 2
+    assert [(offset, count) for _, offset, count in files] == [(1024, 1280)] * 2

@@ -111,6 +111,11 @@ def test_char_tokenizer_round_trip_and_unknown_characters():
         encode("abZcé")
 
 
+def test_gpt2_text_may_name_the_end_of_text_token():  # sample.py --start="...<|endoftext|>...", as training saw it
+    encode, decode = tokenizer_from_meta({"tokenizer": "gpt2"})
+    assert encode("a<|endoftext|>b") == [64, 50256, 65] and decode([64, 50256, 65]) == "a<|endoftext|>b"
+
+
 def test_an_atomic_write_that_cannot_be_renamed_leaves_no_temporary(tmp_path):
     from data.files import atomic_write_bytes
     (tmp_path / "x.pt").mkdir()
@@ -279,7 +284,7 @@ def test_corpus_falls_back_to_the_package_index_and_is_cached(tmp_path, monkeypa
     def write_while_locked(path, data):  # the folder's lock is held: another preparation's clean-up waits
         fd = os.open(tmp_path, os.O_RDONLY)  # (it once took this temporary file from under the write)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (refused only by an exclusive holder)
         except BlockingIOError:
             locked.append(path)
         os.close(fd)
@@ -444,7 +449,8 @@ def test_an_empty_out_dir_or_input_is_refused(tmp_path, script, name):
     (tmp_path / "a_file").write_text("")  # a file, not a folder: said at once, not "File exists" after the corpus
     (tmp_path / "a_link").symlink_to(tmp_path / "unmounted")
     for out_dir, named in [("a_file", "a_file"), ("a_file/sub", "a_file"), ("a_link", "a_link")]:  # (not [Errno N])
-        proc = script(f"data/{name}/prepare.py", f"--input={tmp_path / 'missing.txt'}", f"--out_dir={tmp_path / out_dir}")
+        proc = script(f"data/{name}/prepare.py", f"--input={tmp_path / 'missing.txt'}",
+                      f"--out_dir={tmp_path / out_dir}")
         assert proc.returncode == 2 and proc.stderr == (f"error: argument --out_dir: {tmp_path / named} is not a "
                                                         f"folder: give the folder to write the dataset into (see "
                                                         f"prepare.py --help)\n"), proc.stderr

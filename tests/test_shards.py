@@ -339,7 +339,7 @@ def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script,
         proc = script("data/openwebtext/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--workers=1")
         assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     if "gives no train shard" in message:  # (one case): a shard past what its header counts, refused before a buffer
-        proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--shard_tokens=3000000000")
+        proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", f"--shard_tokens={2**31}")
         assert proc.returncode == 2 and "must be 1 to 2**31 - 1" in proc.stderr, proc.stderr
         for workers in (0, 100_000):  # not all the cores; not processes started one by one for minutes
             proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", f"--workers={workers}")
@@ -399,13 +399,20 @@ def test_a_damaged_meta_or_progress_file_is_one_line_naming_it(corpus, tmp_path,
         assert "the train shards add up to another count than train_tokens" in proc.stderr, proc.stderr
 
 
-def test_a_resume_lets_change_only_the_files_its_shards_hold_nothing_of():
+def test_a_resume_lets_change_only_the_files_its_shards_hold_nothing_of(tmp_path):
     # sizes then, sizes now, documents per file read whole, the first document not in a written shard
     assert streaming._changed_in_shards([5, 6, 7], [5, 6, 8], [10, 10], 15) is None  # the third is not reached
     assert streaming._changed_in_shards([5, 6, 7], [5, 9, 7], [10], 15) == 1  # read in part: its start is in shards
     assert streaming._changed_in_shards([5, 6, 7], [5, 9, 7], [10], 10) is None  # ... not when a shard ends before it
     assert streaming._changed_in_shards([5, 6, 7], [5, 6, 8], [10, 10, 10], float("inf")) == 2  # openwebtext: any
     assert streaming._changed_in_shards(None, [5], [], 3) is None  # (the hub's files: no sizes)
+    (tmp_path / ".progress.json").write_text(json.dumps({  # a prepare stopped in the first file: no shard written
+        "settings": {"files": ["a", "b", "c"], "file_sizes": [5, 6, 7]}, "counts": [10, 10, 10],
+        "streams": {"all": {"resume": [5, 0], "shards": []}}}))
+    now = {"files": ["a", "b", "c"], "file_sizes": [5, 6, 8]}
+    assert streaming.read_progress(tmp_path, now)["counts"] == [10, 10, 10]  # fineweb: "c" is not read yet
+    with pytest.raises(ValueError, match="^c is not the file the interrupted prepare"):  # openwebtext's split counts it
+        streaming.read_progress(tmp_path, now, every_file=True)
 
 
 def test_a_glob_may_name_folders_too(tmp_path):
