@@ -439,7 +439,10 @@ def test_train_spawns_own_argument_is_one_line(char_data, tmp_path, script):
         assert proc.returncode == 2 and proc.stderr == f"error: {message}\n", proc.stderr
 
 
-def test_train_spawn_exits_1_when_a_rank_is_killed_by_a_signal(char_data, tmp_path, script, monkeypatch):
+@pytest.mark.parametrize("code, said", [(-9, "error: rank 1 was killed by SIGKILL: relaunch with resume=auto to "
+                                               "continue from the last checkpoint\n"),
+                                         (128 + signal.SIGTERM, "")])  # stopped with a checkpoint: no error line
+def test_train_spawn_exits_1_when_a_rank_is_killed_by_a_signal(char_data, tmp_path, script, monkeypatch, code, said):
     # sys.exit(-9) would end the launcher with status 247
     import torch.multiprocessing as mp
 
@@ -447,12 +450,12 @@ def test_train_spawn_exits_1_when_a_rank_is_killed_by_a_signal(char_data, tmp_pa
         processes = []
 
         def join(self):
-            raise mp.ProcessExitedException("", error_index=1, error_pid=4242, exit_code=-9, signal_name="SIGKILL")
+            raise mp.ProcessExitedException("", error_index=1, error_pid=4242, exit_code=code,
+                                            signal_name="SIGKILL" if code < 0 else None)
     monkeypatch.setattr(mp, "spawn", lambda *args, **kwargs: Killed())
     monkeypatch.setattr(signal, "signal", lambda *args: None)  # pytest keeps its own handlers
     proc = script("train_spawn.py", "--nproc=2", *tiny_args(char_data, tmp_path / "out"))
-    assert proc.returncode == 1 and proc.stderr == ("error: rank 1 was killed by SIGKILL: relaunch with resume=auto "
-                                                    "to continue from the last checkpoint\n"), proc.stderr
+    assert proc.returncode == max(code, 1) and proc.stderr == said, proc.stderr
 
 
 def _train_rank_recording_config_errors(rank, world_size, args, damage_on_rank1=True, rank1_args=()):
