@@ -9,7 +9,7 @@ import torch
 
 import loader
 from errors import ConfigError
-from harness import EXPECTED_FILES, ckpt, metrics, python, raising, train_here
+from harness import EXPECTED_FILES, ckpt, metrics, python, raising, tiny_args, train_here
 
 
 def test_single_process_run_lowers_val_loss(char_data, tmp_path):
@@ -19,6 +19,10 @@ def test_single_process_run_lowers_val_loss(char_data, tmp_path):
     evals = [r for r in metrics(tmp_path) if "val_loss" in r]
     assert [r["step"] for r in evals] == [0, 30, 60]
     assert [r["step"] for r in metrics(tmp_path) if "loss" in r] == [25, 50, 60]  # and the last step's
+    from config import resolve
+    from train import get_lr
+    cfg = resolve(tiny_args(char_data, tmp_path, max_iters=60))
+    assert [r["lr"] for r in metrics(tmp_path) if "loss" in r] == [get_lr(s - 1, cfg) for s in (25, 50, 60)]  # its own
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5
     assert sorted(p.name for p in tmp_path.iterdir()) == EXPECTED_FILES
     saved = ckpt(tmp_path)
@@ -93,7 +97,7 @@ def test_a_step_seeds_dropout_from_the_seed_this_rank_and_this_step(monkeypatch)
     seeds = []
     monkeypatch.setattr(train, "accumulate_gradients", lambda *args: seeds.append(torch.initial_seed()) or 0.0)
     weight = torch.nn.Parameter(torch.zeros(1))
-    run = Namespace(cfg=Namespace(dropout=0.1, seed=5, grad_clip=0), world=Namespace(rank=3, accum=1), step=11,
+    run = Namespace(cfg=Namespace(dropout=0.1, seed=5, grad_clip=0), world=Namespace(rank=3, local_rank=1, accum=1), step=11,
                     model=None, raw_model=None, loader=None, autocast=None, optimizer=torch.optim.SGD([weight]),
                     scaler=torch.amp.GradScaler("cpu", enabled=False))
     train.optimizer_step(run)
