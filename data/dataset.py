@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.files import atomic_write, preparing, read_json, write_temp
+from data.files import atomic_write, not_a_folder, preparing, read_json, write_temp
 
 DATASET_FORMAT = 1
 HEADER_INTS = 256  # an llm.c shard header: 256 int32, of which the first three are used
@@ -143,11 +143,7 @@ PROGRESS = ".progress.json"  # data/streaming.py's record of a preparation under
 def has_tokens(data_dir) -> bool:
     """Whether the folder holds a dataset to read (meta.json, or shards without one), or the start
     of one, or is no folder at all (which load_meta refuses: neither is to be prepared over)."""
-    return (Path(data_dir) / "meta.json").is_file() or has_shards(data_dir) or _not_a_folder(data_dir)
-
-
-def _not_a_folder(data_dir) -> bool:  # a file, a link to nothing, or under a file (which no prepare can make)
-    return any(os.path.lexists(p) and not os.path.isdir(p) for p in (Path(data_dir), *Path(data_dir).parents))
+    return (Path(data_dir) / "meta.json").is_file() or has_shards(data_dir) or bool(not_a_folder(data_dir))
 
 
 def has_shards(data_dir) -> bool:
@@ -229,7 +225,7 @@ def load_meta(data_dir, fix: str = "") -> dict:
     error when the dataset is missing or incomplete, ending in `fix` (default: prepare it again)."""
     path = Path(data_dir) / "meta.json"
     again = fix or _prepare_again(data_dir)
-    if _not_a_folder(data_dir):
+    if not_a_folder(data_dir):
         raise ValueError(f"data_dir {data_dir} is not a folder (a file, a link to nothing, or under a file): "
                          f"give the dataset's folder")
     if not path.is_file():

@@ -68,6 +68,12 @@ def why_unreadable(path):
     return "is a folder" if Path(path).is_dir() else None if Path(path).exists() else "does not exist"
 
 
+def not_a_folder(path):
+    """The part of `path` that exists but is no folder (a file, a link to nothing; the path itself or a
+    folder above it, which nothing could then make), or None."""
+    return next((p for p in (Path(path), *Path(path).parents) if os.path.lexists(p) and not p.is_dir()), None)
+
+
 def atomic_write(path, write, before_rename=None) -> None:
     """Call write(file) so that readers of `path` see the old file or the new one, never a part;
     before_rename(tmp) runs on the whole temporary file (checkpoint.py links best.pt to it)."""

@@ -12,6 +12,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "scripts"))  # (memory_guide, bench_loader, plot_runs)
 
 
 def pytest_configure(config):

@@ -442,7 +442,7 @@ def test_train_spawns_own_argument_is_one_line(char_data, tmp_path, script):
 @pytest.mark.parametrize("code, said", [(-9, "error: rank 1 was killed by SIGKILL: relaunch with resume=auto to "
                                                "continue from the last checkpoint\n"),
                                          (128 + signal.SIGTERM, "")])  # stopped with a checkpoint: no error line
-def test_train_spawn_exits_1_when_a_rank_is_killed_by_a_signal(char_data, tmp_path, script, monkeypatch, code, said):
+def test_train_spawn_exits_as_its_rank_did(char_data, tmp_path, script, monkeypatch, code, said):
     # sys.exit(-9) would end the launcher with status 247
     import torch.multiprocessing as mp
 

@@ -78,7 +78,6 @@ def test_measured_state_bytes_confirm_the_memory_formula(report):
     """DDP holds 16 bytes per parameter on every rank; FSDP on 2 ranks about half (each rank its
     shard): state_bytes_per_rank, the formula behind scripts/memory_guide.py's table."""
     from model import GPT, GPTConfig
-    sys.path.insert(0, str(REPO / "scripts"))
     from memory_guide import state_bytes_per_rank
     folder, _ = report
     runs = {(r["strategy"], r["nproc"]): r["state_bytes"] for r in json.loads((folder / "bench.json").read_text())["runs"]}
@@ -283,7 +282,6 @@ def test_the_memory_tables_in_the_docs_are_what_memory_guide_prints(script):
 
 def test_bench_loader_makes_shards_their_headers_describe(tmp_path):
     from data.dataset import read_shard_header
-    sys.path.insert(0, str(REPO / "scripts"))
     from bench_loader import make
     files = make(tmp_path, 2 * 20 * 64, 2)
     assert [read_shard_header(path) for path, _, _ in files] == [("uint16", 1280)] * 2

@@ -462,7 +462,6 @@ def test_hellaswag_in_training_under_fsdp(straight, bpe_data, small_file, tmp_pa
 
 def test_plot_runs_adds_a_hellaswag_panel(straight, tmp_path):
     import matplotlib.image
-    sys.path.insert(0, str(REPO / "scripts"))
     import plot_runs
     assert [s for s, _ in plot_runs.read_run(straight)["hellaswag"]] == [0, 2, 4, 6, 8]
     plot_runs.main([str(straight), f"--out={tmp_path / 'runs.png'}"])
