@@ -72,11 +72,10 @@ def read_shard_header(path) -> tuple[str, int]:
                          f"20240801 for uint32 tokens, as llm.c writes them)")
     if version != SHARD_FORMATS[dtype][1]:
         raise ValueError(f"{path}: version {version} with magic {magic}, expected {SHARD_FORMATS[dtype][1]}")
-    size = path.stat().st_size - HEADER_INTS * 4
-    if count < 0 or size != count * np.dtype(dtype).itemsize:
-        raise ValueError(f"{path}: its header says {count:,} tokens but the file holds "
-                         f"{size / np.dtype(dtype).itemsize:,.1f}: it was cut short or appended to; "
-                         f"prepare it again")
+    held, part = divmod(path.stat().st_size - HEADER_INTS * 4, np.dtype(dtype).itemsize)
+    if count < 0 or (held, part) != (count, 0):
+        raise ValueError(f"{path}: its header says {count:,} tokens but the file holds {held:,}"
+                         f"{' and a part of one' * (part > 0)}: it was cut short or appended to; prepare it again")
     return dtype, count
 
 
@@ -240,8 +239,8 @@ def load_meta(data_dir, fix: str = "") -> dict:
     except ValueError as e:  # not UTF-8, not JSON
         raise ValueError(f"{path} is not valid JSON ({e}): {again}") from None
     if not isinstance(meta, dict) or meta.get("format") != DATASET_FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"{path}: format {found!r}, not {DATASET_FORMAT}: {again}")
+        found = f"format {meta['format']!r}" if isinstance(meta, dict) and "format" in meta else "no format"
+        raise ValueError(f"{path} has {found}, not format {DATASET_FORMAT}: {again}")
     for key, ok in (("vocab_size", lambda v: type(v) is int and v > 0),
                     ("dtype", lambda v: v in ("uint16", "uint32")),
                     ("train_tokens", lambda v: type(v) is int and v >= 0),

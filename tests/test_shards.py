@@ -533,7 +533,9 @@ def test_a_train_shard_whose_name_holds_val_is_not_validated_on(tmp_path):
 
 
 @pytest.mark.parametrize("make, message", [
-    (bad_length, "x_train_000001.bin: its header says 5,000 tokens but the file holds 5,001"),
+    (bad_length, "x_train_000001.bin: its header says 5,000 tokens but the file holds 5,001: it was cut short"),
+    (lambda d: (d / "x_val_000000.bin").write_bytes((d / "x_val_000000.bin").read_bytes() + b"\0"),  # half a token
+     "x_val_000000.bin: its header says 3,000 tokens but the file holds 3,000 and a part of one: it was cut"),
     (a_pipe_named_as_a_shard, "x_train_000002.bin is named as a token shard but is not a file: move it out of"),
     (lambda d: (d / "x_val_000001.bin").mkdir(), "x_val_000001.bin is named as a token shard but is not a file"),
     (lambda d: shutil.rmtree(d) or d.write_bytes(b""), "is not a folder (a file, a link to nothing, or under a file)"),
