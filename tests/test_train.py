@@ -2,6 +2,7 @@
 
 import shutil
 import signal
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,38 @@ def test_each_rank_draws_its_own_dropout_masks_at_each_step():
     from train import dropout_seed
     seeds = {dropout_seed(1337, rank, step) for rank in range(4) for step in range(100)}
     assert len(seeds) == 400 and dropout_seed(1337, 3, 7) == dropout_seed(1337, 3, 7) != dropout_seed(7, 3, 7)
+
+
+@pytest.mark.parametrize("sync, expected", [(True, [True, True, False]), (False, [True, True, True])])
+def test_gradients_are_communicated_on_the_last_micro_step_only_with_its_forward_inside(monkeypatch, sync, expected):
+    """Each forward runs inside its micro-step's skip_gradient_sync (DDP arms its reducer in the forward: a
+    no_sync entered after it is too late, test_distributed), skipping all but the last (bench.py: all)."""
+    import train
+    skipping, seen = [None], []
+
+    @contextmanager
+    def recorded(model, raw_model, skip):
+        skipping[0] = skip
+        yield
+        skipping[0] = None
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, x, y):
+            seen.append(skipping[0])
+            return None, (self.w * x).mean()
+
+    class Batches:
+        next_batch = staticmethod(lambda: (torch.ones(2), None))
+
+    monkeypatch.setattr(train.parallel, "skip_gradient_sync", recorded)
+    model = Model()
+    loss = train.accumulate_gradients(model, model, Batches(), 3, nullcontext(), torch.amp.GradScaler("cpu",
+                                      enabled=False), sync)
+    assert seen == expected and float(loss) == 1.0 and float(model.w.grad) == 1.0  # the mean over micro-steps
 
 
 def test_a_resume_from_another_folder_keeps_that_runs_log(char_data, tmp_path):
