@@ -6,6 +6,7 @@ starts: an error raised after the process group began to form would instead wait
 dist_timeout and end as a failed rendezvous (exit 1), so these tests also show where it fires.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 import checkpoint
+import errors
 import pretrained
 import world
 import train
@@ -679,3 +681,25 @@ def test_rank_variables_that_cannot_be_are_a_clear_error(char_data, tmp_path, mo
     monkeypatch.setenv("WORLD_SIZE", size)
     code, err = run_cli(tiny_args(char_data, tmp_path / "out"), monkeypatch, capsys)
     assert code == 2 and err == f"error: {message}: check the launch command\n", err
+
+
+@pytest.mark.parametrize("error, code, line", [
+    (errors.ConfigError("bad value"), 2, "error: bad value\n"),
+    (errors.RunError("it failed"), 1, "error: it failed\n"),
+    (KeyboardInterrupt(), 130, "error: interrupted (Ctrl-C)\n"),
+    (BrokenPipeError(), 128 + signal.SIGPIPE, ""),  # `| head`: ends as a pipe's writer does, quietly
+    (OSError(errno.ENOSPC, "No space left on device"), 1,  # stdout's disk (no file name)
+     "error: the output could not be written (No space left on device): free disk space where stdout goes\n"),
+    (PermissionError(errno.EACCES, "Permission denied", "/x"), 2, "error: permission denied: /x: this user may "
+     "not use it (check the mode and owner of it and its folders), or choose another path\n"),
+    (FileNotFoundError(errno.ENOENT, "No such file", "/x"), None, ""),  # a bug: its traceback
+    (PermissionError(errno.EACCES, "Permission denied"), None, ""),  # no path to name: a bug too
+], ids=["config", "run", "ctrl-c", "closed pipe", "stdout's disk full", "a path denied", "a path missing", "denied"])
+def test_every_entry_points_error_is_one_line_and_its_exit_status(monkeypatch, capsys, error, code, line):
+    """errors.reported, which every entry point runs inside (the slow tests see each status from a process)."""
+    gone = []
+    monkeypatch.setattr(errors, "_stdout_gone", lambda: gone.append(1))  # (it points fd 1 at /dev/null)
+    with pytest.raises(SystemExit if code is not None else type(error)) as raised, errors.reported():
+        raise error
+    assert (getattr(raised.value, "code", None), capsys.readouterr().err) == (code, line)
+    assert len(gone) == (isinstance(error, BrokenPipeError) or getattr(error, "errno", 0) == errno.ENOSPC)  # stdout's

@@ -163,3 +163,22 @@ def test_readme_is_short_and_every_link_in_the_docs_resolves():
             if not path.exists() or (anchor and path.suffix == ".md" and anchor not in anchors(path)):
                 broken.append(f"{doc.name}: {target}")
     assert not broken, f"links to nothing: {broken}"
+
+
+def test_setup_splits_the_global_batch_over_the_world_it_is_given():
+    """world.setup's accumulation, FSDP shard groups and strategy for a world of 4 (test_bad_config: its refusals
+    from a launcher; test_distributed: what the steps then compute)."""
+    from world import World, setup
+
+    def placed(size, *args):
+        cfg = resolve(["--device=cpu", "--batch_size=4", "--global_batch_size=32", *args])
+        return setup(cfg, claim=False, world=World(rank=size - 1, local_rank=size - 1, size=size, local_size=size))
+    four = placed(4, "--strategy=fsdp", "--fsdp_shard_size=2")
+    assert (four.accum, four.shard_size, four.strategy, four.rank) == (2, 2, "fsdp", 3)
+    assert (placed(4, "--strategy=fsdp").shard_size, placed(2).accum) == (4, 4)
+    assert (placed(1, "--strategy=fsdp").strategy, placed(1).accum) == ("ddp", 8)  # one process: nothing to shard
+    with pytest.raises(ConfigError, match=r"fsdp_shard_size \(3\) must divide the world size \(4\): e\.g\. the "
+                                          r"processes per host, 4"):
+        placed(4, "--strategy=fsdp", "--fsdp_shard_size=3")
+    with pytest.raises(ConfigError, match=r"by batch_size \(4\) x world size \(3\) = 12: try --global_batch_size=36$"):
+        placed(3)  # (no smaller batch_size keeps 32 over 3 processes)
