@@ -184,8 +184,14 @@ def test_without_always_save_an_eval_saves_when_it_improves_at_the_end_and_at_a_
             os.kill(os.getpid(), signal.SIGTERM)
         return step(run)
     monkeypatch.setattr(train, "optimizer_step", stopped_during_step)
-    result = train_here(char_data, tmp_path, max_iters=10, eval_interval=4, always_save_checkpoint=False)
-    assert (result["step"], result["stopped"]) == ((8, signal.SIGTERM) if stop_at == 8 else (10, 0))
+    results, main, code = [], train.main, 0
+    monkeypatch.setattr(train, "main", lambda cfg: results.append(main(cfg)) or results[0])
+    try:
+        train.cli(tiny_args(char_data, tmp_path, max_iters=10, eval_interval=4, always_save_checkpoint=False))
+    except SystemExit as e:  # a stopped run ends as the signal would have ended it, once saved
+        code = e.code
+    assert (results[0]["step"], results[0]["stopped"], code) == \
+        ((8, signal.SIGTERM, 128 + signal.SIGTERM) if stop_at == 8 else (10, 0, 0))
     assert (ckpt(tmp_path)["step"], ckpt(tmp_path, "best.pt")["step"]) == (stop_at or 10, 4)
     assert [r["step"] for r in metrics(tmp_path) if "val_loss" in r] == [0, 4, 8] + [10] * (stop_at != 8)
     if stop_at == 8:  # resumed: step 10's 4 does not improve on the best loss the checkpoint carries, step 4's 1
@@ -222,6 +228,25 @@ def test_throughput_counts_every_step_since_the_last_log(tmp_path, monkeypatch):
     log = logger.Logger(Config(out_dir=str(tmp_path)), 10, None, True)
     log.train_step(15, 2.0, 1e-3, None)
     assert json.loads(log.lines[-1])["tokens_per_sec"] == 5 * 32 * 64 / 2  # 5 steps of 32 x 64 tokens in 2 s
+
+
+def test_a_logger_on_another_rank_writes_and_prints_nothing(tmp_path, capsys):
+    """Every rank makes the same logging calls; only rank 0's do anything (test_launchers: a run's files)."""
+    from types import SimpleNamespace
+
+    import logger
+    from config import Config
+    from world import World
+    cfg = Config(out_dir=str(tmp_path), wandb_log=True)  # (wandb starts on rank 0 alone)
+    log = logger.Logger(cfg, 0, str(tmp_path / "last.pt"), False)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "val_loss": 4.0}\n')  # rank 0's, which a resume keeps
+    log.write_run_files(cfg, {"vocab_size": 65}, {})
+    log.train_step(10, 2.0, 1e-3, torch.tensor(0.5))
+    log.hellaswag(10, SimpleNamespace(acc=0.3, acc_norm=0.3, examples=4, truncated=1, line=lambda: "hellaswag"))
+    log.say("a line")
+    log.check(World(), None)
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"] and capsys.readouterr().out == ""
+    assert (log.text(), log.failure, log.start_failure) == ("", None, None)
 
 
 def test_all_finite_finds_a_nan_in_the_weights():
