@@ -249,6 +249,27 @@ def test_a_logger_on_another_rank_writes_and_prints_nothing(tmp_path, capsys):
     assert (log.text(), log.failure, log.start_failure) == ("", None, None)
 
 
+def test_a_resume_from_an_older_checkpoint_keeps_the_readable_rows_of_the_log_beside_it_up_to_its_step(
+        tmp_path, capsys):
+    """Such a checkpoint holds no log; the rows past its step are run again, and a line cut short or
+    edited is dropped with one warning (test_reliability: cut at random bytes, in whole runs)."""
+    import json
+
+    import logger
+    from config import Config
+    rows = [{"step": s, "loss": 1.0} for s in (5, 10, 15)]
+    edited_or_cut = '{"step": null}\n{"step": "x"}\n{"loss": 2.0}\n[]\n{"step": 1e999}\n\xff{"st'
+    beside = "".join(json.dumps(r) + "\n" for r in rows) + edited_or_cut
+    (tmp_path / "metrics.jsonl").write_bytes(beside.encode("latin-1"))
+    log = logger.Logger(Config(out_dir=str(tmp_path)), 10, str(tmp_path / "last.pt"), True)
+    assert [json.loads(line) for line in log.text().splitlines()] == rows[:2]
+    warning = f"warning: dropped 6 unreadable lines of {tmp_path / 'metrics.jsonl'} (a write cut short)\n"
+    assert capsys.readouterr().out == warning
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + '\n{"st')  # the usual case: a kill mid-line
+    assert logger.Logger(Config(out_dir=str(tmp_path)), 10, str(tmp_path / "last.pt"), True).text().count("\n") == 1
+    assert capsys.readouterr().out == warning.replace("6 unreadable lines", "1 unreadable line")
+
+
 def test_all_finite_finds_a_nan_in_the_weights():
     import parallel
     from world import World
