@@ -573,6 +573,16 @@ def test_broken_shards_are_one_line_errors_before_training(tmp_path, capsys, mak
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("corpus", ["fineweb", "openwebtext"])
+def test_a_large_corpus_missing_is_to_be_prepared_first_not_downloaded_at_start_up(tmp_path, capsys, corpus):
+    with pytest.raises(SystemExit) as exit_info:
+        train.cli(tiny_args(tmp_path / "data", tmp_path / "out", dataset=corpus))
+    assert exit_info.value.code == 2 and capsys.readouterr().err == (
+        f"error: no dataset in {tmp_path / 'data'}: this corpus is too large to prepare at start-up; run python "
+        f"data/{corpus}/prepare.py --out_dir {tmp_path / 'data'} first (see docs/data.md)\n")
+    assert not (tmp_path / "data").exists() and not (tmp_path / "out").exists()
+
+
 def test_a_data_dir_under_a_file_is_said_so_not_prepared(tmp_path, capsys):
     (tmp_path / "f").write_text("")  # was: a download, then "[Errno 20] Not a directory" from the prepare
     with pytest.raises(SystemExit) as exit_info:

@@ -60,6 +60,16 @@ def test_resume_ends_bit_identical_to_an_uninterrupted_run(char_data, tmp_path, 
     assert again["step"] == 24 and again["val_loss"] == b["val_loss"] is not None  # as the checkpoint says
 
 
+def test_a_resume_into_float16_starts_the_loss_scale_afresh(char_data, tmp_path, capsys):
+    """A float32 checkpoint holds no loss scale (test_reliability: every dtype change, through the CLI)."""
+    train_here(char_data, tmp_path, max_iters=2)
+    capsys.readouterr()
+    assert train_here(char_data, tmp_path, max_iters=4, dtype="float16", resume="auto")["step"] == 4
+    assert f"note: {tmp_path / 'last.pt'} was not trained in float16: the loss scale starts afresh\n" in \
+        capsys.readouterr().out
+    assert ckpt(tmp_path)["scaler"]["scale"] > 0  # float16's own, saved from here on
+
+
 def test_each_rank_draws_its_own_dropout_masks_at_each_step():
     from train import dropout_seed
     seeds = {dropout_seed(1337, rank, step) for rank in range(4) for step in range(100)}
