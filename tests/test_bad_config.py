@@ -208,7 +208,10 @@ CASES = [
     ("unknown backend", ["--backend=tcp"], None, r"backend must be one of .*got 'tcp'"),
     ("backend missing from this build", ["--backend=mpi"], None,
      r"backend 'mpi' is not available in this torch build: use gloo"),
-    ("nccl on CPU", ["--backend=nccl"], None, r"backend 'nccl' is not available|nccl needs CUDA"),
+    ("nccl on CPU", ["--backend=nccl"], lambda d, m: m.setattr(world.dist, "is_backend_available", lambda b: True),
+     r"backend nccl needs CUDA devices: use --backend=gloo on CPU"),  # (a CPU build of torch has no nccl at all)
+    ("no MPS", ["--device=mps"], lambda d, m: m.setattr(torch.backends.mps, "is_available", lambda: False),
+     r"device=mps but MPS is not available here: use --device=cpu"),
     # data
     ("no data and no prepare script", ["--dataset=nosuch"], lambda d, m: shutil.rmtree(d),
      r"no dataset in .*data \(meta\.json missing\), and dataset='nosuch' names no data/NAME/prepare\.py"),
