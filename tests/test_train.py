@@ -248,14 +248,16 @@ def test_a_logger_on_another_rank_writes_and_prints_nothing(tmp_path, capsys):
     from config import Config
     from world import World
     cfg = Config(out_dir=str(tmp_path), wandb_log=True)  # (wandb starts on rank 0 alone)
+    rows = '{"step": 0, "val_loss": 4.0}\n{"step": 5, "loss": 3.0}\n'  # rank 0's: a resume at 0 keeps the first
+    (tmp_path / "metrics.jsonl").write_text(rows)
     log = logger.Logger(cfg, 0, str(tmp_path / "last.pt"), False)
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "val_loss": 4.0}\n')  # rank 0's, which a resume keeps
     log.write_run_files(cfg, {"vocab_size": 65}, {})
     log.train_step(10, 2.0, 1e-3, torch.tensor(0.5))
     log.hellaswag(10, SimpleNamespace(acc=0.3, acc_norm=0.3, examples=4, truncated=1, line=lambda: "hellaswag"))
     log.say("a line")
     log.check(World(), None)
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"] and capsys.readouterr().out == ""
+    assert (tmp_path / "metrics.jsonl").read_text() == rows
     assert (log.text(), log.failure, log.start_failure) == ("", None, None)
 
 
