@@ -205,6 +205,10 @@ def test_a_hand_edited_run_json_is_one_line(char_data, sharded, tmp_path, script
 
 def test_the_converter_checks_a_folder_before_writing(sharded, tmp_path, script, monkeypatch):
     out = Path(shutil.copytree(sharded, tmp_path / "out"))
+    for source in (out / "last.pt", out / "metrics.jsonl"):  # (no last.pt here: the file format's name)
+        ran = script("scripts/convert_checkpoint.py", source, tmp_path / "x.pt")
+        assert ran.returncode == 2 and ran.stderr == (f"error: {source} is not a sharded checkpoint folder (NAME.dcp) "
+                                                      f"train.py wrote\n"), ran.stderr
     ran = script("scripts/convert_checkpoint.py", out / "last.dcp", tmp_path / "x.bin")  # resume= would not take it
     assert ran.returncode == 2 and ran.stderr == (f"error: {tmp_path / 'x.bin'}: name the file NAME.pt, as train.py "
                                                   f"and resume= expect\n"), ran.stderr

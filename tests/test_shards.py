@@ -503,10 +503,10 @@ def bad_length(d):
         f.write(b"\0\0")  # one token more than the header says
 
 
-def listing(d, val=None):
-    """A meta.json listing the folder's shards (`val` in place of its val shard)."""
+def listing(d, val=None, shards=None):
+    """A meta.json listing the folder's shards (`val` in place of its val shard, `shards` of the whole listing)."""
     val = [{"file": "x_val_000000.bin", "tokens": 3000}] if val is None else val
-    shards = {"train": [{"file": "x_train_000001.bin", "tokens": 5000}], "val": val}
+    shards = {"train": [{"file": "x_train_000001.bin", "tokens": 5000}], "val": val} if shards is None else shards
     (d / "meta.json").write_text(json.dumps({**MISCOUNTED, "train_tokens": 5000, "shards": shards,
                                              "val_tokens": sum(e["tokens"] for e in val)}))
 
@@ -556,6 +556,7 @@ def test_a_train_shard_whose_name_holds_val_is_not_validated_on(tmp_path):
                                                dtype=np.uint32),
      "x_train_000001.bin holds uint32 tokens, but the dataset is uint16: shards of mixed dtypes"),
     (lambda d: listing(d, val=[]), "meta.json: the val split has no shard"),
+    (lambda d: listing(d, shards=[]), "meta.json: shards is not a mapping of split to shards"),
     (lambda d: write_llm_c_shard(d.parent / "outside_val.bin", np.arange(3000)) or
      listing(d, val=[{"file": "../outside_val.bin", "tokens": 3000}]),  # a name, not a path outside data_dir
      "meta.json: a val shard entry is not {'file': NAME, 'tokens': COUNT}: {'file': '../outside_val.bin'"),
@@ -571,6 +572,20 @@ def test_broken_shards_are_one_line_errors_before_training(tmp_path, capsys, mak
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_prepare_given_no_documents_it_can_read_says_so(tmp_path, script, monkeypatch):
+    """A local file of another kind; a hub revision without the subset's parquet files (listed, not fetched)."""
+    import huggingface_hub
+    (tmp_path / "corpus.csv").write_text("text\nhello\n")
+    ran = script("data/fineweb/prepare.py", f"--input={tmp_path / 'corpus.csv'}", f"--out_dir={tmp_path / 'a'}")
+    assert (ran.returncode, ran.stderr) == (2, f"error: {tmp_path / 'corpus.csv'}: not a .parquet, .jsonl or .txt "
+                                               f"file\n")
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda *a, **k: ["README.md", "other/0.parquet"])
+    ran = script("data/fineweb/prepare.py", f"--out_dir={tmp_path / 'b'}")
+    assert (ran.returncode, ran.stderr) == (2, "error: HuggingFaceFW/fineweb-edu has no parquet files in sample/10BT/ "
+                                               "at revision main: check --subset\n")
+    assert not list((tmp_path / "a").iterdir()) and not (tmp_path / "b").exists()  # nothing written
 
 
 @pytest.mark.parametrize("corpus", ["fineweb", "openwebtext"])
