@@ -111,7 +111,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     labels = args.labels.split(",") if args.labels else []
     if labels and len(labels) != len(args.out_dirs):
-        raise ConfigError(f"--labels has {len(labels)} names for {len(args.out_dirs)} folders")
+        raise ConfigError(f"--labels has {len(labels)} name{'s' * (len(labels) > 1)} for {len(args.out_dirs)} folders")
     if len(set(labels)) < len(labels):
         raise ConfigError(f"--labels={args.labels} repeats a name: give each run its own")
     names = [Path(folder).name for folder in args.out_dirs]

@@ -286,3 +286,21 @@ def test_bench_loader_makes_shards_their_headers_describe(tmp_path):
     files = make(tmp_path, 2 * 20 * 64, 2)
     assert [read_shard_header(path) for path, _, _ in files] == [("uint16", 1280)] * 2
     assert [(offset, count) for _, offset, count in files] == [(1024, 1280)] * 2
+
+
+@pytest.mark.parametrize("tool, args, message", [
+    ("bench_loader", ["--sizes=lots"], "--sizes=lots: give sizes in bytes, e.g. --sizes=4e6,4e8"),
+    ("bench_loader", ["--sizes=4e6,inf"], "--sizes=4e6,inf: give sizes in bytes, e.g. --sizes=4e6,4e8"),
+    ("bench_loader", ["--sizes=1e13"], "--sizes: 10,000,000,000,000 bytes is more than this benchmark makes (at most "
+                                       "1e12)"),
+    ("bench_loader", ["--sizes=1279,4e6", "--block_size=16"], "--sizes: 1,279 bytes is too small for block_size=16 "
+                                                              "(20 shards of a window each): give at least 1,280"),
+    ("memory_guide", ["--world=1,two"], "--world=1,two: give process counts, e.g. --world=1,2,4,8"),
+    ("plot_runs", ["a", "b", "--labels=x"], "--labels has 1 name for 2 folders"),
+    ("plot_runs", ["a", "b", "--labels=x,x"], "--labels=x,x repeats a name: give each run its own"),
+    ("plot_runs", ["a", "a/"], "a folder is given twice: give each run once"),
+])
+def test_a_tools_argument_that_cannot_be_is_one_line(script, tool, args, message):
+    """Before any work (test_reliability: each tool's bad input from a process, for its form alone)."""
+    ran = script(f"scripts/{tool}.py", *args)
+    assert (ran.returncode, ran.stderr) == (2, f"error: {message}\n")
