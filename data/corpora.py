@@ -192,10 +192,11 @@ def load_corpus(out_dir, input_path=None) -> tuple:
     return data.decode("utf-8"), source
 
 
-def split_text(text: str, train_fraction: float = 0.9) -> tuple:
+def split_text(text: str) -> tuple:
     """First 90% of the characters for training, the last 10% for validation."""
-    n = int(len(text) * train_fraction)
-    if n == 0 or n == len(text):
-        raise ValueError(f"a text of {len(text)} characters is too short to split")
+    n = int(len(text) * 0.9)
+    if n == 0:  # (fewer than 2 characters; from 2 on, each part holds one)
+        raise ValueError(f"a text of {len(text)} character{'s' * (len(text) != 1)} is too short to split into train "
+                         f"and val: give a longer one")
     return text[:n], text[n:]
 

@@ -428,12 +428,15 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_anything_is_written
 def test_prepare_with_bad_input_exits_2_and_writes_nothing(tmp_path, script, name):
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("caf\u00e9\n".encode("latin-1"))
+    (tmp_path / "one.txt").write_text("a")
     out = tmp_path / "out"
     for given, message in ((tmp_path / "missing.txt", f"input file {tmp_path / 'missing.txt'} does not exist"),
+                           (tmp_path / "one.txt", "a text of 1 character is too short to split into train and val"),
                            (latin1, f"input file {latin1} is not UTF-8 text (byte 0xe9 at offset 3)"),
                            (tmp_path, f"input file {tmp_path} is a folder: give a UTF-8 text file")):
         proc = script(f"data/{name}/prepare.py", "--input", given, "--out_dir", out)
-        assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
+        error = proc.stderr.splitlines()[-1]  # (BPE's tokenizer is named on stderr before the split)
+        assert proc.returncode == 2 and error.startswith(f"error: {message}"), proc.stderr
         assert "Traceback" not in proc.stderr and not out.exists()
 
 
@@ -454,6 +457,17 @@ def test_an_empty_out_dir_or_input_is_refused(tmp_path, script, name):
         assert proc.returncode == 2 and proc.stderr == (f"error: argument --out_dir: {tmp_path / named} is not a "
                                                         f"folder: give the folder to write the dataset into (see "
                                                         f"prepare.py --help)\n"), proc.stderr
+
+
+def test_a_download_of_another_size_or_content_is_refused(monkeypatch):
+    """(A mirror's error page, a changed file: each goes on to the next source, test_no_corpus_to_be_had.)"""
+    import io
+    same_size = b"x" * corpora.TINY_SHAKESPEARE_BYTES
+    for body, message in ((b"<html>", "got 6 bytes, expected 1115394"),
+                          (same_size, "downloaded tiny shakespeare: sha256 [0-9a-f]{64} does not match the expected")):
+        monkeypatch.setattr(corpora.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(body))
+        with pytest.raises(ValueError, match=message):
+            corpora._download_tiny_shakespeare()
 
 
 def test_no_corpus_to_be_had_is_one_line(tmp_path, script, monkeypatch):
