@@ -575,8 +575,13 @@ def test_broken_shards_are_one_line_errors_before_training(tmp_path, capsys, mak
 
 
 def test_a_prepare_given_no_documents_it_can_read_says_so(tmp_path, script, monkeypatch):
-    """A local file of another kind; a hub revision without the subset's parquet files (listed, not fetched)."""
+    """A pattern matching no file, a folder, a local file of another kind; a hub revision without the subset's
+    parquet files (listed, not fetched)."""
     import huggingface_hub
+    for given, said in ((f"{tmp_path}/*.parquet", "matches no file"),
+                        (f"{tmp_path}/", f"is a folder: give its files ({tmp_path}/*.jsonl, say)")):
+        ran = script("data/fineweb/prepare.py", f"--input={given}", f"--out_dir={tmp_path / 'a'}")
+        assert (ran.returncode, ran.stderr) == (2, f"error: --input {given} {said}\n")
     (tmp_path / "corpus.csv").write_text("text\nhello\n")
     ran = script("data/fineweb/prepare.py", f"--input={tmp_path / 'corpus.csv'}", f"--out_dir={tmp_path / 'a'}")
     assert (ran.returncode, ran.stderr) == (2, f"error: {tmp_path / 'corpus.csv'}: not a .parquet, .jsonl or .txt "
