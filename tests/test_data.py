@@ -210,6 +210,14 @@ def test_a_damaged_local_vocabulary_is_skipped_and_the_fallback_download_cached(
     assert f"gpt2 tokenizer: local file {tokenizers.gpt2_cache_path()}" in capsys.readouterr().err
 
 
+def test_gpt2s_tokenizer_files_are_made_from_the_repos_vocabulary_only(tmp_path, monkeypatch):
+    """(scripts/export_hf.py writes them; test_pretrained: what transformers makes of them.)"""
+    monkeypatch.setattr(tokenizers, "REPO_COPY", tmp_path / "gpt2.tiktoken")
+    with pytest.raises(ValueError, match=r"tiktoken is missing: restore it \(git checkout data/gpt2\.tiktoken\)$"):
+        tokenizers.write_gpt2_tokenizer_files(tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_chunked_encoding_equals_whole_text_encoding():
     import tiktoken
     from tiktoken_ext.openai_public import r50k_pat_str
