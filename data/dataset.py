@@ -240,7 +240,7 @@ def load_meta(data_dir, fix: str = "") -> dict:
         raise ValueError(f"{path} is not valid JSON ({e}): {again}") from None
     if not isinstance(meta, dict) or meta.get("format") != DATASET_FORMAT:
         found = f"format {meta['format']!r}" if isinstance(meta, dict) and "format" in meta else "no format"
-        raise ValueError(f"{path} has {found}, not format {DATASET_FORMAT}: {again}")
+        raise ValueError(f"{path} has {found}; this train.py reads format {DATASET_FORMAT}: {again}")
     for key, ok in (("vocab_size", lambda v: type(v) is int and v > 0),
                     ("dtype", lambda v: v in ("uint16", "uint32")),
                     ("train_tokens", lambda v: type(v) is int and v >= 0),
