@@ -76,38 +76,6 @@ def test_each_rank_draws_its_own_dropout_masks_at_each_step():
     assert len(seeds) == 400 and dropout_seed(1337, 3, 7) == dropout_seed(1337, 3, 7) != dropout_seed(7, 3, 7)
 
 
-@pytest.mark.parametrize("sync, expected", [(True, [True, True, False]), (False, [True, True, True])])
-def test_gradients_are_communicated_on_the_last_micro_step_only_with_its_forward_inside(monkeypatch, sync, expected):
-    """Each forward runs inside its micro-step's skip_gradient_sync (DDP arms its reducer in the forward: a
-    no_sync entered after it is too late, test_distributed), skipping all but the last (bench.py: all)."""
-    import train
-    skipping, seen = [None], []
-
-    @contextmanager
-    def recorded(model, raw_model, skip):
-        skipping[0] = skip
-        yield
-        skipping[0] = None
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.ones(1))
-
-        def forward(self, x, y):
-            seen.append(skipping[0])
-            return None, (self.w * x).mean()
-
-    class Batches:
-        next_batch = staticmethod(lambda: (torch.ones(2), None))
-
-    monkeypatch.setattr(train.parallel, "skip_gradient_sync", recorded)
-    model = Model()
-    loss = train.accumulate_gradients(model, model, Batches(), 3, nullcontext(), torch.amp.GradScaler("cpu",
-                                      enabled=False), sync)
-    assert seen == expected and float(loss) == 1.0 and float(model.w.grad) == 1.0  # the mean over micro-steps
-
-
 def test_a_resume_from_another_folder_keeps_that_runs_log(char_data, tmp_path):
     """--resume=A/last.pt into an out_dir holding another run's log: the log is A's history, not a splice;
     and the last.pt that the first save replaces stays as previous.pt, as any save's does (a rollback too)."""
@@ -151,14 +119,24 @@ def test_a_step_seeds_dropout_from_the_seed_this_rank_and_this_step(monkeypatch)
     assert seeds == [train.dropout_seed(5, 3, 11)]
 
 
-def test_micro_batches_give_the_whole_batch_gradient_and_mean_loss():
-    """Each micro-batch's loss is its own mean: / accum makes the summed gradient the whole batch's."""
-    import contextlib
+def test_micro_batches_give_the_whole_batch_gradient_and_mean_loss(monkeypatch):
+    """Each micro-batch's loss is its own mean: / accum makes the summed gradient the whole batch's. Each
+    forward runs inside its micro-step's skip_gradient_sync (DDP arms its reducer in the forward: a no_sync
+    entered after it is too late, test_distributed), which skips all but the last (bench.py's sync=False: all)."""
     import train
     from model import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=11))
     batch = torch.randint(11, (8, 9))
+    skipping, skips = [None], []  # the context's skip while each forward runs
+
+    @contextmanager
+    def recorded(model, raw_model, skip):
+        skipping[0] = skip
+        yield
+        skipping[0] = None
+    monkeypatch.setattr(train.parallel, "skip_gradient_sync", recorded)
+    model.register_forward_pre_hook(lambda module, args: skips.append(skipping[0]))
 
     class Batches:  # the batch whole, or in `accum` parts
         def __init__(self, accum):
@@ -169,12 +147,16 @@ def test_micro_batches_give_the_whole_batch_gradient_and_mean_loss():
             return part[:, :-1], part[:, 1:]
     seen = []
     for accum in (1, 2, 4):
-        loss = train.accumulate_gradients(model, model, Batches(accum), accum, contextlib.nullcontext(),
+        loss = train.accumulate_gradients(model, model, Batches(accum), accum, nullcontext(),
                                           torch.amp.GradScaler("cpu", enabled=False))
         seen.append((loss, [p.grad for p in model.parameters()]))
         model.zero_grad(set_to_none=True)
     for loss, grads in seen[1:]:
         assert torch.allclose(loss, seen[0][0]) and all(map(torch.allclose, grads, seen[0][1]))
+    assert skips == [False, True, False, True, True, True, False]  # accum 1, 2, 4: the last micro-step syncs
+    train.accumulate_gradients(model, model, Batches(2), 2, nullcontext(), torch.amp.GradScaler("cpu", enabled=False),
+                               sync=False)
+    assert skips[-2:] == [True, True]
 
 
 @pytest.mark.parametrize("stop_at", [None, 8, 10])
