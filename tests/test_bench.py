@@ -2,6 +2,7 @@
 measured and consistent, never against a speed)."""
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -286,6 +287,21 @@ def test_bench_loader_makes_shards_their_headers_describe(tmp_path):
     files = make(tmp_path, 2 * 20 * 64, 2)
     assert [read_shard_header(path) for path, _, _ in files] == [("uint16", 1280)] * 2
     assert [(offset, count) for _, offset, count in files] == [(1024, 1280)] * 2
+
+
+@pytest.mark.slow  # a bash process
+@pytest.mark.parametrize("args, message", [
+    ([], "usage: bash bench/nanogpt_cpu.sh NANOGPT_DIR RUN_DIR nanogpt|ours [ITERS] (which runs first)"),
+    (["nano", "runs", "both"], "usage: bash bench/nanogpt_cpu.sh NANOGPT_DIR RUN_DIR nanogpt|ours [ITERS] (which runs "
+                               "first)"),
+    (["nano", "runs", "ours"], "the two data/shakespeare_char/val.bin differ (or one is missing): prepare both from "
+                               "one input.txt"),
+])
+def test_the_nanogpt_side_by_side_refuses_what_it_cannot_compare(tmp_path, args, message):
+    """Before it runs or creates anything (docs/performance.md; nanoGPT itself cannot be had here)."""
+    ran = subprocess.run(["bash", str(REPO / "bench/nanogpt_cpu.sh"), *args], cwd=tmp_path, capture_output=True,
+                         text=True)
+    assert (ran.returncode, ran.stderr, list(tmp_path.iterdir())) == (2, f"error: {message}\n", [])
 
 
 @pytest.mark.parametrize("tool, args, message", [
