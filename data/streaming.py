@@ -131,8 +131,8 @@ def read_progress(out_dir, settings: dict = None, every_file: bool = False) -> d
                          f"({before[changed]:,} bytes then, {now[changed]:,} now): put it back, or remove "
                          f"{out_dir} and prepare again")
     _check_shards(out_dir, [shard for stream in progress["streams"].values() for shard in stream["shards"]])
-    print(f"resuming: {sum(len(s['shards']) for s in progress['streams'].values())} shards "
-          f"already written in {out_dir}")
+    shards = sum(len(s["shards"]) for s in progress["streams"].values())
+    print(f"resuming: {shards} shard{'s' * (shards != 1)} already written in {out_dir}")
     return progress
 
 

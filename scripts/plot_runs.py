@@ -109,6 +109,8 @@ def main(argv=None):
     p.add_argument("--out", default="runs.png", help="the PNG to write")
     p.add_argument("--labels", default="", help="comma-separated labels, one per folder")
     args = p.parse_args(argv)
+    if (out := Path(args.out)).suffix.lower() != ".png":
+        raise ConfigError(f"--out={out}: give a .png file name")
     labels = args.labels.split(",") if args.labels else []
     if labels and len(labels) != len(args.out_dirs):
         raise ConfigError(f"--labels has {len(labels)} name{'s' * (len(labels) > 1)} for {len(args.out_dirs)} folders")
@@ -124,9 +126,6 @@ def main(argv=None):
         r = read_run(Path(folder))
         label = labels[i] if labels else names[i] + (f" (W={r['world']})" if r["world"] else "")
         runs[label.encode("utf-8", "backslashreplace").decode()] = r  # (a name's non-UTF-8 bytes as \udcff)
-    out = Path(args.out)
-    if out.suffix.lower() != ".png":
-        raise ConfigError(f"--out={out}: give a .png file name")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         plot(runs, out)

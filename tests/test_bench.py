@@ -311,7 +311,13 @@ def test_the_nanogpt_side_by_side_refuses_what_it_cannot_compare(tmp_path, args,
                                        "1e12)"),
     ("bench_loader", ["--sizes=1279,4e6", "--block_size=16"], "--sizes: 1,279 bytes is too small for block_size=16 "
                                                               "(20 shards of a window each): give at least 1,280"),
+    ("bench_loader", ["--block_size=0"], "--block_size and --batch_size must be positive"),
+    ("bench_loader", ["--batch_size=1000000000", "--block_size=999"], "--batch_size=1,000,000,000 x --block_size=999 "
+                                                                      "needs 24,016.0 GB a batch, more than this host "
+                                                                      "has available"),
     ("memory_guide", ["--world=1,two"], "--world=1,two: give process counts, e.g. --world=1,2,4,8"),
+    ("memory_guide", ["--world=0,1"], "--world counts and --batch_size must be positive"),
+    ("plot_runs", ["missing", "--out=runs.jpg"], "--out=runs.jpg: give a .png file name"),
     ("plot_runs", ["a", "b", "--labels=x"], "--labels has 1 name for 2 folders"),
     ("plot_runs", ["a", "b", "--labels=x,x"], "--labels=x,x repeats a name: give each run its own"),
     ("plot_runs", ["a", "a/"], "a folder is given twice: give each run once"),

@@ -139,14 +139,6 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
         assert full.returncode == 2 and full.stderr == (f"error: [Errno 28] No space left on device for the dataset in "
                                                         f"{disk / 'out'}: free space there, then prepare again\n")
         shutil.copytree(disk / "out", tmp_path / "moved")
-    # what it wrote is taken up only with the same settings, and only while each shard is as written
-    other = prepare("fineweb", *args[:-2], "--shard_tokens=4000", "--workers=1", f"--out_dir={tmp_path / 'moved'}")
-    assert other.returncode == 2 and "holds an interrupted prepare with other settings (shard_tokens; " \
-        in other.stderr, other.stderr
-    cut = Path(shutil.copytree(tmp_path / "moved", tmp_path / "cut"))
-    next(cut.glob("*_000001.bin")).unlink()
-    gone = prepare("fineweb", *args, f"--out_dir={cut}")
-    assert gone.returncode == 2 and "_000001.bin is missing or changed since it was written" in gone.stderr, gone.stderr
     # a file the written shards hold documents of may not change (one replaced under its name mixed two
     # corpora); one not reached yet may (a bad line fixed)
     progress = json.loads((tmp_path / "moved" / ".progress.json").read_text())
@@ -177,9 +169,6 @@ def test_preparing_again_leaves_a_finished_dataset_alone(corpus, tmp_path):
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     again = prepare("fineweb", f"--input={os.path.relpath(source, REPO)}", *args[1:])  # the same file, named so
     assert again.returncode == 0 and "is already prepared" in again.stdout, again.stderr
-    other = prepare("fineweb", *args[:-2], "--shard_tokens=60000", "--workers=1")
-    assert other.returncode == 2 and "already holds a dataset prepared with other settings (shard_tokens)" \
-        in other.stderr
     source.write_bytes(source.read_bytes()[:5000].rsplit(b"\n", 1)[0] + b"\n")  # other text under the same name
     mixed = prepare("fineweb", *args)
     assert mixed.returncode == 2 and "prepared with other settings (input file sizes)" in mixed.stderr, mixed.stderr
@@ -190,13 +179,6 @@ def test_preparing_again_leaves_a_finished_dataset_alone(corpus, tmp_path):
     (out / "meta.json").write_text(json.dumps({**meta, "prepared_with": {
         **made, "files": [os.path.relpath(source, REPO)], "input": os.path.relpath(source, REPO)}}))
     assert "is already prepared" in prepare("fineweb", *args).stdout  # (it said: remove it)
-    shard = next(p for p in out.iterdir() if p.name.endswith(".bin"))  # appended to: its size says so
-    with open(shard, "ab") as f:
-        f.write(b"\0\0")
-    changed = prepare("fineweb", *args)
-    assert changed.returncode == 2, changed.stderr
-    assert changed.stderr == (f"error: {shard} is missing or changed since it was written: remove {out} "
-                              f"and prepare again\n")
 
 
 def write_llm_c_shard(path: Path, tokens, magic=20240520, version=1, dtype=np.uint16):
@@ -413,6 +395,43 @@ def test_a_resume_lets_change_only_the_files_its_shards_hold_nothing_of(tmp_path
     assert streaming.read_progress(tmp_path, now)["counts"] == [10, 10, 10]  # fineweb: "c" is not read yet
     with pytest.raises(ValueError, match="^c is not the file the interrupted prepare"):  # openwebtext's split counts it
         streaming.read_progress(tmp_path, now, every_file=True)
+
+
+def test_a_prepare_takes_up_only_its_own_settings_and_its_shards_as_written(tmp_path, capsys):
+    """finished() and read_progress(), which every prepare runs before any work, word for word (the slow
+    prepares above run them from the command line)."""
+    settings = {"files": [str(tmp_path / "a.jsonl")], "file_sizes": [10], "shard_tokens": 5000, "prefix": "x"}
+    write_llm_c_shard(tmp_path / "x_train_000001.bin", np.arange(5000))
+    write_llm_c_shard(tmp_path / "x_val_000000.bin", np.arange(3000))
+    listing(tmp_path)
+    (tmp_path / "meta.json").write_text(json.dumps({**json.loads((tmp_path / "meta.json").read_text()),
+                                                    "prepared_with": settings}))
+    assert streaming.finished(tmp_path, settings)["train_tokens"] == 5000
+    assert capsys.readouterr().out == f"{tmp_path} is already prepared (8,000 tokens)\n"
+    with pytest.raises(ValueError) as other:
+        streaming.finished(tmp_path, {**settings, "shard_tokens": 4000, "file_sizes": [11]})
+    assert str(other.value) == (f"{tmp_path} already holds a dataset prepared with other settings (input file "
+                                f"sizes, shard_tokens): remove it or choose another --out_dir")
+    shard = {"file": "x_train_000001.bin", "tokens": 5000, "split": "train", "sha256": ""}
+    (tmp_path / ".progress.json").write_text(json.dumps({"settings": settings, "counts": [10], "streams": {
+        "stream": {"resume": [5, 0], "shards": [shard]}}}))
+    assert streaming.finished(tmp_path, settings) is None  # interrupted: not finished
+    assert streaming.read_progress(tmp_path, settings)["counts"] == [10]
+    assert capsys.readouterr().out == f"resuming: 1 shard already written in {tmp_path}\n"
+    with pytest.raises(ValueError) as other:
+        streaming.read_progress(tmp_path, {**settings, "shard_tokens": 4000})
+    assert str(other.value) == (f"{tmp_path} holds an interrupted prepare with other settings (shard_tokens; "
+                                f"{tmp_path / '.progress.json'}): rerun it with the same options and input, or "
+                                f"remove {tmp_path}")
+    with open(tmp_path / "x_train_000001.bin", "ab") as f:  # appended to, or (below) gone: not as written
+        f.write(b"\0\0")
+    for read in (streaming.read_progress, lambda *args: (tmp_path / ".progress.json").unlink()
+                 or streaming.finished(*args), lambda *args: (tmp_path / "x_train_000001.bin").unlink()
+                 or streaming.finished(*args)):
+        with pytest.raises(ValueError) as changed:
+            read(tmp_path, settings)
+        assert str(changed.value) == (f"{tmp_path / 'x_train_000001.bin'} is missing or changed since it was "
+                                      f"written: remove {tmp_path} and prepare again")
 
 
 def test_a_glob_may_name_folders_too(tmp_path):
