@@ -311,6 +311,39 @@ def test_a_released_name_offline_and_uncached_says_where_to_put_the_files(tmp_pa
     assert "`hf download openai-community/gpt2 config.json model.safetensors --local-dir gpt2`" in line
 
 
+def test_a_released_name_comes_from_the_cache_else_a_download_else_says_where_to_put_it(tmp_path, monkeypatch):
+    """pretrained.locate with snapshot_download replaced (the slow test above: the real one, offline)."""
+    import huggingface_hub
+    partial, whole = tmp_path / "partial", tmp_path / "whole"  # a cached config.json alone; a model folder
+    for folder, files in ((partial, ["config.json"]), (whole, ["config.json", "model.safetensors"])):
+        folder.mkdir()
+        for name in files:
+            (folder / name).write_text("{}")
+    found, asked = {True: partial, False: whole}, []  # local_files_only -> what it finds (None: it raises)
+
+    def snapshot(repo_id, allow_patterns, local_files_only=False):
+        asked.append((repo_id, local_files_only))
+        if found[local_files_only] is None:
+            raise OSError("offline")
+        return str(found[local_files_only])
+    try:
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+        assert pretrained.locate("gpt2") == whole  # the cache's is not whole: downloaded
+        assert asked == [("openai-community/gpt2", True), ("openai-community/gpt2", False)]
+        found.update({True: whole, False: None})
+        assert pretrained.locate("gpt2-medium") == whole  # whole in the cache: not downloaded
+        found.update({True: partial, False: None})
+        with pytest.raises(ConfigError) as offline:
+            pretrained.locate("gpt2-large")
+        assert str(offline.value) == (
+            "gpt2-large is not in the Hugging Face cache and cannot be downloaded here (OSError: offline): on a "
+            "machine with a network run `hf download openai-community/gpt2-large config.json model.safetensors "
+            "--local-dir gpt2-large` (`huggingface-cli download` before huggingface_hub 1.0) and pass "
+            "--init_from=./gpt2-large (a path), or copy its cache (~/.cache/huggingface/hub)")
+    finally:
+        pretrained.locate.cache_clear()
+
+
 def test_a_mistyped_name_gets_a_suggestion():
     from config import validate
     with pytest.raises(ConfigError, match="did you mean 'gpt2-medium'"):
