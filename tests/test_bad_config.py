@@ -331,6 +331,11 @@ def test_a_dataset_with_another_vocabulary_than_the_checkpoint_is_refused(copies
     rewrite_meta(data, chars=chars[::-1])
     code, err = run_cli(tiny_args(data, out, resume="auto"), monkeypatch, capsys)
     assert code == 2 and "last.pt was trained on another vocabulary than the dataset's" in err, err
+    shutil.copy(other / "meta.json", out / "meta.json")  # ... and there one of another size: sample.py refuses it
+    with pytest.raises(errors.ConfigError) as sampled:
+        pretrained.load_model(out, torch.device("cpu"), "last")
+    assert str(sampled.value) == (f"{out / 'meta.json'} has a vocabulary of 5 tokens but {out / 'last.pt'} was "
+                                  f"trained with {saved['model_args']['vocab_size']}: they come from different runs")
 
 
 def launch_two_ranks(args, timeout=60, sizes=(2, 2)):

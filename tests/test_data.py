@@ -210,6 +210,40 @@ def test_a_damaged_local_vocabulary_is_skipped_and_the_fallback_download_cached(
     assert f"gpt2 tokenizer: local file {tokenizers.gpt2_cache_path()}" in capsys.readouterr().err
 
 
+def test_the_whisper_sdist_gives_its_gpt2_vocabulary_or_a_line_saying_why_not(tmp_path, monkeypatch):
+    """The last fallback, with pip replaced: sdists made here (the real one, fetched by hand on
+    2026-11-28, gave the 835,554 bytes of GPT-2's vocabulary)."""
+    import io
+    import tarfile
+    from data import files
+    good, top = tokenizers.REPO_COPY.read_bytes(), "openai-whisper-20250625/"
+
+    def sdist(name, members):  # a stand-in for pip_download, fetching a .tar.gz of these members
+        with tarfile.open(tmp_path / name, "w:gz") as tar:
+            for member, data in members.items():
+                info = tarfile.TarInfo(top + member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        monkeypatch.setattr(tokenizers, "pip_download", lambda args, dest: tmp_path / name)
+    sdist("right.tar.gz", {"README.md": b"x", "whisper/assets/multilingual.tiktoken": b"y",
+                           "whisper/assets/gpt2.tiktoken": good})
+    assert tokenizers._gpt2_bpe_from_whisper() == good
+    sdist("moved.tar.gz", {"assets/gpt2.tiktoken": good})
+    with pytest.raises(RuntimeError, match="^moved.tar.gz holds no whisper/assets/gpt2.tiktoken$"):
+        tokenizers._gpt2_bpe_from_whisper()
+    sdist("changed.tar.gz", {"whisper/assets/gpt2.tiktoken": good[:-1]})
+    with pytest.raises(ValueError, match="^whisper/assets/gpt2.tiktoken from openai-whisper==20250625: sha256 "):
+        tokenizers._gpt2_bpe_from_whisper()
+    monkeypatch.setattr(files.subprocess, "run", lambda cmd, **kwargs: subprocess.CompletedProcess(
+        cmd, 1, "", "ERROR: Could not find a version that satisfies the requirement\n"))
+    (dest := tmp_path / "dest").mkdir()
+    (dest / "x-1.tar.gz").write_bytes(b"cut short")  # one file, yet pip failed
+    with pytest.raises(RuntimeError) as failed:
+        files.pip_download(["x==1"], dest)
+    assert str(failed.value) == (f"pip download --no-deps --disable-pip-version-check --quiet x==1 -d {dest} "
+                                 f"failed: ERROR: Could not find a version that satisfies the requirement")
+
+
 def test_gpt2s_tokenizer_files_are_made_from_the_repos_vocabulary_only(tmp_path, monkeypatch):
     """(scripts/export_hf.py writes them; test_pretrained: what transformers makes of them.)"""
     monkeypatch.setattr(tokenizers, "REPO_COPY", tmp_path / "gpt2.tiktoken")
