@@ -122,7 +122,8 @@ def encode_with_progress(enc, text: str, desc: str = "encoding", chunk_chars: in
 
 
 def tokenizer_from_meta(meta: dict) -> tuple:
-    """(encode, decode) for a dataset: encode(str) -> list[int], decode(list[int]) -> str."""
+    """(encode, decode) for a dataset: encode(str) -> list[int], decode(list[int]) -> str. `meta` names
+    char or gpt2 (load_meta and pretrained.load_model check it)."""
     if meta["tokenizer"] == "char":
         chars = meta["chars"]
         stoi = {c: i for i, c in enumerate(chars)}
@@ -137,11 +138,9 @@ def tokenizer_from_meta(meta: dict) -> tuple:
             return "".join(chars[int(i)] for i in ids)
 
         return encode, decode
-    if meta["tokenizer"] == "gpt2":
-        enc = gpt2_encoding()
-        return (lambda text: enc.encode(text, allowed_special={"<|endoftext|>"}),
-                lambda ids: enc.decode([int(i) for i in ids]))
-    raise ValueError(f"unknown tokenizer {meta['tokenizer']!r} in meta.json")
+    enc = gpt2_encoding()
+    return (lambda text: enc.encode(text, allowed_special={"<|endoftext|>"}),
+            lambda ids: enc.decode([int(i) for i in ids]))
 
 
 def _byte_to_char() -> dict:

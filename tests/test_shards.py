@@ -27,8 +27,8 @@ from data.dataset import Shard, meta_from_shards, read_shard_header, write_shard
 from data.documents import local_source
 from data.tokenizers import gpt2_encoding
 from errors import ConfigError
-from harness import (REPO, assert_close_runs, ckpt, make_char_dataset, read_epochs, record_epochs, shard_dataset,
-                     small_disk, tiny_args, train_log, train_run)
+from harness import (REPO, assert_close_runs, ckpt, make_char_dataset, raising, read_epochs, record_epochs,
+                     shard_dataset, small_disk, tiny_args, train_log, train_run)
 from loader import ShardedTokenLoader, Tokens
 
 WORDS = ("the king queen fool lord speaks laughs sleeps at night in the hall for love again softly "
@@ -343,16 +343,22 @@ def test_blank_jsonl_lines_are_skipped_and_a_null_parquet_text_is_an_empty_docum
                                                      encoded(["a b", "c", "d", "", "e f"]))
 
 
-def test_a_tokenizing_worker_leaves_ctrl_c_to_the_main_process(monkeypatch):
+def test_a_tokenizing_worker_leaves_ctrl_c_to_the_main_process_and_reports_a_failed_start(monkeypatch):
     # each worker once printed a KeyboardInterrupt traceback, and the main process could hang on the dead pool
     import signal
 
     from data import streaming
     monkeypatch.setattr(streaming, "gpt2_encoding", lambda verbose: None)
+    monkeypatch.setattr(streaming, "_encoder", None)  # (restored after)
     previous = signal.getsignal(signal.SIGINT)
     try:
         streaming._start_worker()
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        # a worker whose start failed raises at its first document: a pool restarts a failed start for ever
+        monkeypatch.setattr(streaming, "gpt2_encoding", raising(ValueError("not GPT-2's vocabulary")))
+        streaming._start_worker()
+        with pytest.raises(ValueError, match="^not GPT-2's vocabulary$"):
+            streaming._encode((0, "a document"))
     finally:
         signal.signal(signal.SIGINT, previous)
 
