@@ -105,7 +105,9 @@ def test_bench_bad_arguments_are_one_line(script, tmp_path):
                          (["--init_from=resume"], "bench.py times a run from scratch or from GPT-2's weights"),
                          (["--strategies="], "--strategies=: [''] not allowed (choose from ddp, fsdp)"),  # (unset $VAR)
                          (["--strategies=ddp,fsdp", "--strategy=fsdp", "--fsdp_shard_size=1"],  # (the ddp worker's)
-                          "the ddp run: fsdp_shard_size=1 shards the model: it needs --strategy=fsdp")):
+                          "the ddp run: fsdp_shard_size=1 shards the model: it needs --strategy=fsdp"),
+                         (["--n_layer=96", "--n_head=96", "--n_embd=12288"],  # GPT-3's shape, before any worker
+                          "error: this model needs at least 2,793.5 GB per process (174,580M parameters")):
         proc = script("bench.py", *args)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
