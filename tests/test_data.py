@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -208,6 +209,10 @@ def test_a_damaged_local_vocabulary_is_skipped_and_the_fallback_download_cached(
     assert tokenizers.gpt2_cache_path().read_bytes() == good
     assert gpt2_encoding().encode("hello world") == [31373, 995]  # the next time: the damaged copy skipped, the cache
     assert f"gpt2 tokenizer: local file {tokenizers.gpt2_cache_path()}" in capsys.readouterr().err
+    tokenizers.gpt2_cache_path().unlink()  # no verified copy: tiktoken's own, unverified, is checked by what it does
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: SimpleNamespace(n_vocab=50257, encode=lambda text: [1]))
+    with pytest.raises(RuntimeError, match="^the GPT-2 encoding from tiktoken does not behave like GPT-2's$"):
+        gpt2_encoding()
 
 
 def test_the_whisper_sdist_gives_its_gpt2_vocabulary_or_a_line_saying_why_not(tmp_path, monkeypatch):
