@@ -429,15 +429,19 @@ def test_a_prepare_takes_up_only_its_own_settings_and_its_shards_as_written(tmp_
     assert str(other.value) == (f"{tmp_path} holds an interrupted prepare with other settings (shard_tokens; "
                                 f"{tmp_path / '.progress.json'}): rerun it with the same options and input, or "
                                 f"remove {tmp_path}")
-    with open(tmp_path / "x_train_000001.bin", "ab") as f:  # appended to, or (below) gone: not as written
-        f.write(b"\0\0")
-    for read in (streaming.read_progress, lambda *args: (tmp_path / ".progress.json").unlink()
-                 or streaming.finished(*args), lambda *args: (tmp_path / "x_train_000001.bin").unlink()
-                 or streaming.finished(*args)):
+
+    def refused(read):
         with pytest.raises(ValueError) as changed:
             read(tmp_path, settings)
         assert str(changed.value) == (f"{tmp_path / 'x_train_000001.bin'} is missing or changed since it was "
                                       f"written: remove {tmp_path} and prepare again")
+    with open(tmp_path / "x_train_000001.bin", "ab") as f:  # appended to: not as written
+        f.write(b"\0\0")
+    refused(streaming.read_progress)
+    (tmp_path / ".progress.json").unlink()
+    refused(streaming.finished)
+    (tmp_path / "x_train_000001.bin").unlink()  # gone
+    refused(streaming.finished)
 
 
 def test_a_glob_may_name_folders_too(tmp_path):
