@@ -165,6 +165,19 @@ def test_readme_is_short_and_every_link_in_the_docs_resolves():
     assert not broken, f"links to nothing: {broken}"
 
 
+def test_the_legacy_local_rank_argument_is_taken_out_and_exported(monkeypatch):
+    """torch.distributed.launch passes --local-rank=N (--local_rank N before torch 2.0) rather than setting
+    LOCAL_RANK; torchrun's own LOCAL_RANK wins (test_launchers: the launcher itself)."""
+    import os
+    from world import strip_local_rank
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert strip_local_rank(["cfg.py", "--local-rank=1", "--max_iters=3"]) == ["cfg.py", "--max_iters=3"]
+    assert os.environ["LOCAL_RANK"] == "1"
+    monkeypatch.delenv("LOCAL_RANK")
+    assert (strip_local_rank(["--local_rank", "2"]), os.environ["LOCAL_RANK"]) == ([], "2")
+    assert (strip_local_rank(["--local_rank=3"]), os.environ["LOCAL_RANK"]) == ([], "2")
+
+
 def test_setup_splits_the_global_batch_over_the_world_it_is_given():
     """world.setup's accumulation, FSDP shard groups and strategy for a world of 4 (test_bad_config: its refusals
     from a launcher; test_distributed: what the steps then compute)."""
