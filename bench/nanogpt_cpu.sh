@@ -35,7 +35,7 @@ for impl in "$first" "$second"; do
     "$runs/$impl.time" | tr -s '\t\n' ' ;')" >> "$summary"
 done
 "$py" - "$nano" "$ours" "$runs" >> "$summary" <<'EOF'
-import importlib.util, json, sys
+import importlib.util, json, re, statistics, sys
 import numpy as np, torch
 nano, ours, runs = sys.argv[1:]
 val = np.fromfile(f"{ours}/data/shakespeare_char/val.bin", dtype=np.uint16).astype(np.int64)
@@ -50,5 +50,9 @@ for impl, repo, path, step in (("nanogpt", nano, "out-nanogpt/ckpt.pt", "iter_nu
     model.load_state_dict(ckpt["model"])
     with torch.no_grad():
         total = sum(model(x[i:i + 256], y[i:i + 256])[1].item() * len(x[i:i + 256]) for i in range(0, n, 256))
-    print(json.dumps({"impl": impl, "step": ckpt[step], "full_val_loss": round(total / n, 4), "windows": n}))
+    log = open(f"{runs}/{impl}.log").read()  # each step's time (the first left out): nanoGPT's, or 768 tokens/ours
+    ms = ([float(t) for t in re.findall(r"time ([\d.]+)ms", log)] if impl == "nanogpt" else
+          [768e3 / float(t.replace(",", "")) for t in re.findall(r"([\d,]+) tok/s", log)])
+    print(json.dumps({"impl": impl, "step": ckpt[step], "full_val_loss": round(total / n, 4), "windows": n,
+                      "median_step_ms": round(statistics.median(ms[1:]), 1)}))
 EOF
