@@ -298,8 +298,8 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
             model.load_state_dict(ckpt["model"])
             vocab = ckpt.get("vocab", {})  # (older files hold none)
             if not (isinstance(vocab, dict) and all(isinstance(v, str) for v in vocab.values())
-                    and vocab.get("tokenizer", "gpt2") in ("char", "gpt2")  # (char alone has, and needs, chars)
-                    and len(vocab.get("chars", "")) == (config.vocab_size if vocab.get("tokenizer") == "char" else 0)):
+                    and vocab.get("tokenizer", "gpt2") in ("char", "gpt2")
+                    and (vocab.get("tokenizer") != "char" or len(vocab.get("chars", "")) == config.vocab_size)):
                 raise ValueError(f"its vocab {vocab!r} is not a tokenizer's name and characters")
             return model, ckpt["step"], path, vocab
         except Exception as e:  # plain data, but not a checkpoint of this repo's GPT (nanoGPT's has no step)

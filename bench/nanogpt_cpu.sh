@@ -11,26 +11,31 @@ set -euo pipefail
   { echo "error: usage: bash bench/nanogpt_cpu.sh NANOGPT_DIR RUN_DIR nanogpt|ours [ITERS] (which runs first)" >&2
     exit 2; }
 nano=$(realpath -m "$1") runs=$(realpath -m "$2") first=$3 iters=${4:-2000}
-ours=$(realpath "$(dirname "$0")/..") py=$(command -v python)
+ours=$(realpath "$(dirname "$0")/..") py=$(command -v python || command -v python3) ||
+  { echo "error: no python or python3 on PATH" >&2; exit 2; }
+[[ $iters =~ ^[1-9][0-9]*$ ]] || { echo "error: ITERS is a positive whole number, got '$iters'" >&2; exit 2; }
 cmp -s "$nano/data/shakespeare_char/val.bin" "$ours/data/shakespeare_char/val.bin" ||
   { echo "error: the two data/shakespeare_char/val.bin differ (or one is missing): prepare both from one input.txt" >&2
     exit 2; }
 mkdir -p "$runs"; summary=$runs/summary.txt
 common="--device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4
  --n_head=4 --n_embd=128 --max_iters=$iters --lr_decay_iters=$iters --dropout=0.0"
+q() { printf %q "$1"; }  # a path with a space stays one argument in the commands below
 declare -A cmd=(
-  [nanogpt]="cd $nano && $py train.py config/train_shakespeare_char.py $common --out_dir=$runs/out-nanogpt"
-  [ours]="cd $ours && $py train.py $common --dtype=float32 --global_batch_size=12 --bias=False --eval_interval=250
- --learning_rate=1e-3 --min_lr=1e-4 --warmup_iters=100 --beta2=0.99 --weight_decay=0.1
- --always_save_checkpoint=False --resume=never --out_dir=$runs/out-ours")
-{ echo "torch $($py -c 'import torch; print(torch.__version__, "threads", torch.get_num_threads())'), $(nproc) cores," \
+  [nanogpt]="cd $(q "$nano") && $(q "$py") train.py config/train_shakespeare_char.py $common
+ --out_dir=$(q "$runs/out-nanogpt")"
+  [ours]="cd $(q "$ours") && $(q "$py") train.py $common --dtype=float32 --global_batch_size=12 --bias=False
+ --eval_interval=250 --learning_rate=1e-3 --min_lr=1e-4 --warmup_iters=100 --beta2=0.99 --weight_decay=0.1
+ --always_save_checkpoint=False --resume=never --out_dir=$(q "$runs/out-ours")")
+{ echo "torch $("$py" -c 'import torch; print(torch.__version__, "threads", torch.get_num_threads())'), $(nproc) cores," \
     "ours at $(git -C "$ours" log -1 --format=%h), nanoGPT at $(git -C "$nano" log -1 --format=%h), $(date -Is)"
   uptime; } > "$summary"
 second=$([ "$first" = ours ] && echo nanogpt || echo ours)
 for impl in "$first" "$second"; do
   echo "== $impl: ${cmd[$impl]//$'\n'/}" >> "$summary"
   start=$(date +%s.%N)
-  /usr/bin/time -v bash -c "${cmd[$impl]//$'\n'/}" > "$runs/$impl.log" 2> "$runs/$impl.time"
+  /usr/bin/time -v bash -c "${cmd[$impl]//$'\n'/}" > "$runs/$impl.log" 2> "$runs/$impl.time" ||
+    { echo "error: the $impl run failed: see $runs/$impl.log and $runs/$impl.time" >&2; exit 1; }
   echo "$impl wall_s=$(echo "$(date +%s.%N) - $start" | bc) $(grep -E 'User time|System time|Maximum resident|Minor' \
     "$runs/$impl.time" | tr -s '\t\n' ' ;')" >> "$summary"
 done

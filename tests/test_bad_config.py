@@ -503,8 +503,7 @@ def test_data_found_bad_after_preparing_on_one_host_stops_every_rank(char_data, 
 
 def test_a_prepare_at_start_up_that_fails_is_one_line_naming_the_dataset(tmp_path, monkeypatch, capsys):
     """One process (the test below: two ranks, the other told to see this one's message)."""
-    latin1, fresh = tmp_path / "latin1.txt", tmp_path / "fresh"
-    latin1.write_bytes("caf\u00e9 au lait\n".encode("latin-1") * 200)
+    latin1, fresh = write_bytes(tmp_path / "latin1.txt", LATIN1), tmp_path / "fresh"
     code, err = run_cli(tiny_args(fresh, tmp_path / "out", prepare_input=latin1), monkeypatch, capsys)
     assert (code, err) == (2, f"error: preparing shakespeare_char in {fresh} failed: input file {latin1} is not UTF-8 "
                               f"text (byte 0xe9 at offset 3): convert it to UTF-8\n")

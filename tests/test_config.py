@@ -170,7 +170,8 @@ def test_the_legacy_local_rank_argument_is_taken_out_and_exported(monkeypatch):
     LOCAL_RANK; torchrun's own LOCAL_RANK wins (test_launchers: the launcher itself)."""
     import os
     from world import strip_local_rank
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # (so that its absence, or value, is what comes back after)
+    monkeypatch.delenv("LOCAL_RANK")
     assert strip_local_rank(["cfg.py", "--local-rank=1", "--max_iters=3"]) == ["cfg.py", "--max_iters=3"]
     assert os.environ["LOCAL_RANK"] == "1"
     monkeypatch.delenv("LOCAL_RANK")
