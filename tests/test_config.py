@@ -1,3 +1,4 @@
+import os
 import re
 
 import pytest
@@ -168,7 +169,6 @@ def test_readme_is_short_and_every_link_in_the_docs_resolves():
 def test_the_legacy_local_rank_argument_is_taken_out_and_exported(monkeypatch):
     """torch.distributed.launch passes --local-rank=N (--local_rank N before torch 2.0) rather than setting
     LOCAL_RANK; torchrun's own LOCAL_RANK wins (test_launchers: the launcher itself)."""
-    import os
     from world import strip_local_rank
     monkeypatch.setenv("LOCAL_RANK", "0")  # (so that its absence, or value, is what comes back after)
     monkeypatch.delenv("LOCAL_RANK")

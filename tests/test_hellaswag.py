@@ -196,7 +196,8 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
     assert str(hellaswag.cache_path()) in error and "--hellaswag=PATH" in error and "hellaswag_path" in error
     assert "does not exist" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path / "nowhere.jsonl"], capsys)
     assert f"HellaSwag file {tmp_path} is a folder" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path], capsys)
-    with pytest.raises(ConfigError, match=f"^cannot read {re.escape(str(tmp_path))}: Is a directory$"):  # (found after that check)
+    # what gets past that check and still cannot be read
+    with pytest.raises(ConfigError, match=f"^cannot read {re.escape(str(tmp_path))}: Is a directory$"):
         hellaswag.read_examples(tmp_path)
     (tmp_path / "blank.jsonl").write_text("\n  \n")
     assert "blank.jsonl holds no examples: give hellaswag_val.jsonl, one JSON object a line" in fails(

@@ -321,14 +321,14 @@ def test_a_released_name_comes_from_the_cache_else_a_download_else_says_where_to
             (folder / name).write_text("{}")
     found, asked = {True: partial, False: whole}, []  # local_files_only -> what it finds (None: it raises)
 
-    def snapshot(repo_id, allow_patterns, local_files_only=False):
+    def snapshot_download(repo_id, allow_patterns, local_files_only=False):
         asked.append((repo_id, local_files_only))
         if found[local_files_only] is None:
             raise OSError("offline")
         return str(found[local_files_only])
     pretrained.locate.cache_clear()  # (an earlier test may have located one of these names)
     try:
-        monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
         assert pretrained.locate("gpt2") == whole  # the cache's is not whole: downloaded
         assert asked == [("openai-community/gpt2", True), ("openai-community/gpt2", False)]
         found.update({True: whole, False: None})
