@@ -684,9 +684,10 @@ def test_a_master_address_or_port_that_cannot_be_is_a_clear_error(char_data, tmp
 @pytest.mark.parametrize("rank, size, message", [
     ("$SLURM_PROCID", "2", "rank variables must be whole numbers, got {'RANK': '$SLURM_PROCID'}"),  # unexpanded
     ("0", "\u00b9", "rank variables must be whole numbers, got {'WORLD_SIZE': '\u00b9'}"),  # isdigit, not int
-    ("0", "0", "rank 0 (local rank 0) cannot be in a world of 0 processes (0 on this host)"),
-    ("2", "2", "rank 2 (local rank 0) cannot be in a world of 2 processes (2 on this host)"),  # would wait
-    ("1 2", "4", "rank 1 (local rank 2) cannot be in a world of 4 processes (2 on this host)"),  # LOCAL_RANK 2 of 2
+    ("0", "0", "rank 0 (local rank 0) cannot be in a world of size 0 (0 on this host)"),
+    ("2", "2", "rank 2 (local rank 0) cannot be in a world of size 2 (2 on this host)"),  # would wait
+    ("1", "1", "rank 1 (local rank 0) cannot be in a world of size 1 (1 on this host)"),  # not "1 processes"
+    ("1 2", "4", "rank 1 (local rank 2) cannot be in a world of size 4 (2 on this host)"),  # LOCAL_RANK 2 of 2
 ])
 def test_rank_variables_that_cannot_be_are_a_clear_error(char_data, tmp_path, monkeypatch, capsys, rank, size,
                                                          message):
