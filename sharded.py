@@ -21,7 +21,7 @@ import torch
 import parallel
 from collectives import agree_or_raise, any_rank, broadcast_json, first_error
 from data.files import atomic_write_bytes, disk_full, fsync_dir, link_or_copy, remove, tensor_bytes
-from errors import UnreadableCheckpoint, first_line, load_failure
+from errors import DISK_FULL, ConfigError, UnreadableCheckpoint, first_line, load_failure
 
 
 TMP = ".last.dcp.tmp"  # a save in progress; remove_stale_temporaries deletes one a kill left
@@ -38,7 +38,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     ALLOWED = {("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
         "StorageMeta", "_MEM_FORMAT_ENCODING")} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+        ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+        ("pathlib._local", "PosixPath")}  # (DCP's checkpoint_id: Python 3.13 names its class so)
 
     def find_class(self, module, name):
         if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
@@ -251,13 +252,20 @@ def check_shared(folder: Path, world, what: str):
     copy at the same path): a checkpoint folder's run.json, else a fresh probe file."""
     if world.size == 1:
         return
-    probe, digest = None, lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
-    if world.is_master:
-        probe = folder / "run.json" if (folder / "run.json").is_file() else folder / f".shared.{os.getpid()}.tmp"
-        if probe.suffix == ".tmp":
-            probe.write_text(os.urandom(16).hex())
+    probe, error, digest = None, None, lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
     try:
-        name, expected, where = broadcast_json(probe and [probe.name, digest(probe), str(folder)], world)
+        if world.is_master:
+            probe = folder / "run.json" if (folder / "run.json").is_file() else folder / f".shared.{os.getpid()}.tmp"
+            try:
+                if probe.suffix == ".tmp":
+                    probe.write_text(os.urandom(16).hex())
+            except OSError as e:  # a full disk (out_dir's check made an empty file only)
+                error = f"rank 0 could not write {probe} ({e.strerror or e}): " + \
+                    ("free disk space" if e.errno in DISK_FULL else f"make {folder} writable")
+        shared = broadcast_json(error or probe and [probe.name, digest(probe), str(folder)], world)
+        if isinstance(shared, str):
+            raise ConfigError(shared)
+        name, expected, where = shared
         try:
             seen = digest(folder / name) == expected
         except OSError:

@@ -5,8 +5,10 @@ single-file format (so either strategy resumes the other's, on another world siz
 gradients are reduce-scattered once per optimizer step whatever the accumulation. (A SIGTERM
 stops and resumes as under DDP: tests/test_recovery.py.)"""
 
+import contextlib
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,8 @@ import torch
 
 import train
 from config import resolve
-from harness import assert_close_runs, ckpt, max_diff, no_temporaries, ranks_say, run_ranks, run_world, tiny_args
+from harness import (assert_close_runs, ckpt, max_diff, no_temporaries, ranks_say, run_ranks, run_world, small_disk,
+                     tiny_args)
 
 TOL = 1e-5  # the README's tolerance between launches
 STEPS = 6
@@ -259,6 +262,20 @@ def test_a_checkpoint_folder_of_the_same_name_but_other_content_is_not_rank_0s(t
     # (it said to use --checkpoint_format=file, which cannot read a .dcp either)
     assert errors[0].endswith(f"python scripts/convert_checkpoint.py {folders[0]} {folders[0].parent}/converted.pt, "
                               f"then pass --resume= that file"), errors[0]
+
+
+@pytest.mark.slow
+def test_a_probe_file_rank_0_cannot_write_stops_every_rank_with_its_reason(tmp_path):
+    """A full disk (a real one): rank 0 alone raised, "the output could not be written ... where stdout goes",
+    while rank 1 waited for it; the probe stayed behind, empty."""
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        with open(disk / "filler", "wb") as f, contextlib.suppress(OSError):
+            f.write(bytes(1 << 20))
+        errors = ranks_say(_check_own_folder, 2, tmp_path, [str(disk)] * 2, in_group=True)
+        assert errors[0] == errors[1], errors
+        assert re.fullmatch(rf"rank 0 could not write {disk}/\.shared\.\d+\.tmp \(No space left on device\): "
+                            rf"free disk space", errors[0]), errors[0]
+        assert [p.name for p in disk.iterdir()] == ["filler"]
 
 
 @pytest.mark.slow

@@ -82,6 +82,24 @@ def test_formats_alternate_through_resumes_and_end_bit_identical(char_data, tmp_
     same_state(torch.load(tmp_path / "eight.pt", weights_only=True), ckpt(straight, "previous.pt"))
 
 
+def test_metadata_pickled_under_python_3_13_reads(sharded, monkeypatch):
+    """DCP's checkpoint_id is a PosixPath, whose class Python 3.13 pickles as pathlib._local.PosixPath:
+    every sharded checkpoint written there was refused as damaged."""
+    import io
+    import pathlib
+    import sys
+    import types
+    with open(sharded / "last.dcp" / ".metadata", "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if "pathlib._local" not in sys.modules:  # before 3.13: name the class as 3.13 does
+        monkeypatch.setitem(sys.modules, "pathlib._local", types.ModuleType("pathlib._local"))
+        monkeypatch.setattr(sys.modules["pathlib._local"], "PosixPath", pathlib.PosixPath, raising=False)
+        monkeypatch.setattr(pathlib.PosixPath, "__module__", "pathlib._local")
+    data = pickle.dumps(metadata)
+    assert b"pathlib._local" in data and isinstance(metadata.storage_meta.checkpoint_id, pathlib.PosixPath)
+    assert _MetadataUnpickler(io.BytesIO(data)).load().storage_meta.checkpoint_id == metadata.storage_meta.checkpoint_id
+
+
 def test_sample_and_export_read_a_sharded_run(sharded, tmp_path, script):
     ran = script("sample.py", f"--out_dir={sharded}", "--num_samples=1", "--max_new_tokens=10", "--device=cpu")
     assert ran.returncode == 0 and len(ran.stdout.strip()) >= 10, ran.stderr
