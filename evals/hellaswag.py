@@ -63,7 +63,12 @@ def locate(path: str = "") -> Path:
             raise ValueError(f"its git blob id {git_blob_sha1(data)} is not {GIT_BLOB_SHA1}")
     except Exception as e:  # noqa: BLE001 - offline, blocked, cut short, changed upstream
         raise HellaSwagMissing(cache, URL, e) from None
-    atomic_write_bytes(cache, data)
+    try:
+        atomic_write_bytes(cache, data)
+    except OSError as e:  # a read-only or full cache folder
+        raise ConfigError(f"HellaSwag was downloaded but cannot be kept at {cache} ({e.strerror or e}): set "
+                          f"XDG_CACHE_HOME to a folder you can write, or save {URL} yourself and pass its path "
+                          f"with --hellaswag_path=PATH (train.py) or --hellaswag=PATH (eval.py)") from None
     return cache
 
 

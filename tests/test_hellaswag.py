@@ -228,6 +228,13 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
     assert "git blob id" in fails(["--init_from", hf_folder], capsys)
     assert not hellaswag.cache_path().exists()
     monkeypatch.setattr(hellaswag, "GIT_BLOB_SHA1", hellaswag.git_blob_sha1(hs_file.read_bytes()))  # now the official
+    (tmp_path / "a file").touch()  # a cache that cannot be written (a read-only one, a full disk): was a traceback
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a file"))
+    assert fails(["--init_from", hf_folder], capsys) == (
+        f"error: HellaSwag was downloaded but cannot be kept at {hellaswag.cache_path()} (Not a directory): set "
+        f"XDG_CACHE_HOME to a folder you can write, or save {hellaswag.URL} yourself and pass its path with "
+        f"--hellaswag_path=PATH (train.py) or --hellaswag=PATH (eval.py)")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     downloads = []
     monkeypatch.setattr(hellaswag.urllib.request, "urlopen", lambda *a, **k: downloads.append(a) or Response())
     assert hellaswag.locate() == hellaswag.cache_path() == hellaswag.locate() and len(downloads) == 1  # then cached
