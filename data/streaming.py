@@ -114,6 +114,8 @@ def read_progress(out_dir, settings: dict = None, every_file: bool = False) -> d
             len(s["resume"]) == 2 and all(type(v) is int for v in s["resume"]) and all(
                 type(sh["file"]) is str and type(sh["tokens"]) is int and sh["split"] in ("train", "val")
                 and "sha256" in sh for sh in s["shards"]) for s in progress["streams"].values())
+        sizes = progress["settings"].get("file_sizes")  # (the hub's files: None)
+        ok = ok and (sizes is None or all(type(n) is int for n in sizes))
     except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not of the shape written here
         ok = False
     if not ok:

@@ -401,6 +401,12 @@ def test_a_resume_lets_change_only_the_files_its_shards_hold_nothing_of(tmp_path
     assert streaming.read_progress(tmp_path, now)["counts"] == [10, 10, 10]  # fineweb: "c" is not read yet
     with pytest.raises(ValueError, match="^c is not the file the interrupted prepare"):  # openwebtext's split counts it
         streaming.read_progress(tmp_path, now, every_file=True)
+    for sizes in (5, 0, ["5", "6", "7"]):  # edited by hand: was a TypeError's traceback
+        progress = json.loads((tmp_path / ".progress.json").read_text())
+        progress["settings"]["file_sizes"] = sizes
+        (tmp_path / ".progress.json").write_text(json.dumps(progress))
+        with pytest.raises(ValueError, match=f"^{tmp_path / '.progress.json'} is damaged \\(it is not what a prepare"):
+            streaming.read_progress(tmp_path, now)
 
 
 def test_a_prepare_takes_up_only_its_own_settings_and_its_shards_as_written(tmp_path, capsys):
