@@ -50,7 +50,8 @@ def check_sha256(data: bytes, expected: str, what: str, fix: str = "") -> None:
 
 def write_temp(path: Path, write) -> Path:
     """Call write(file) on a temporary file beside `path`, flush and fsync it; return its name."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # same folder: os.replace is atomic
+    # same folder: os.replace is atomic; a name's first 50 characters: any name up to 255 bytes has a temporary
+    tmp = path.with_name(f".{path.name[:50]}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -107,7 +108,7 @@ def link_or_copy(src: Path, dst: Path):
     """Point `dst` at `src`'s bytes: a hard link costs no second write; else copy."""
     if dst.exists() and os.path.samefile(src, dst):
         return  # already one file; and rename() between two links of one file does nothing
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    tmp = dst.with_name(f".{dst.name[:50]}.{os.getpid()}.tmp")
     try:
         os.link(src, tmp)
         os.replace(tmp, dst)

