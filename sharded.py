@@ -104,8 +104,8 @@ def parts(path: Path):
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
         tensors_ok = all(isinstance(m.size, torch.Size) and isinstance(m.properties.dtype, torch.dtype)
                          for m in metadata.state_dict_metadata.values())
-        if not tensors_ok or not all(isinstance(name, str) for name in ends):
-            raise ValueError("a tensor's entry is not a size, a dtype and a file name")
+        if not tensors_ok or not all(isinstance(name, str) and Path(name).name == name for name in ends):
+            raise ValueError("a tensor's entry is not a size, a dtype and a file in the folder")
     except Exception as e:
         raise unreadable(f"its metadata is damaged ({type(e).__name__}: {first_line(e)})") from None
     for name, end in sorted(ends.items()):

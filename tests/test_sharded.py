@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from errors import UnreadableCheckpoint
 from sharded import TMP, Background, _MetadataUnpickler
 from harness import ckpt, no_temporaries, small_disk, tiny_args, train_here
 
@@ -100,6 +101,20 @@ def test_metadata_pickled_under_python_3_13_reads(sharded, monkeypatch):
     assert _MetadataUnpickler(io.BytesIO(data)).load().storage_meta.checkpoint_id == metadata.storage_meta.checkpoint_id
 
 
+def test_metadata_naming_a_part_outside_its_folder_is_damaged(sharded, tmp_path):
+    """(A crafted .metadata that named previous.dcp's part read step 8's tensors under step 12's run.json.)"""
+    from sharded import parts
+    out = Path(shutil.copytree(sharded, tmp_path / "out"))
+    with open(out / "last.dcp" / ".metadata", "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    for info in metadata.storage_data.values():
+        info.relative_path = f"../previous.dcp/{info.relative_path}"
+    (out / "last.dcp" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnreadableCheckpoint, match=r"its metadata is damaged \(ValueError: a tensor's entry is not a "
+                                                   r"size, a dtype and a file in the folder\)$"):
+        parts(out / "last.dcp")
+
+
 def test_sample_and_export_read_a_sharded_run(sharded, tmp_path, script):
     ran = script("sample.py", f"--out_dir={sharded}", "--num_samples=1", "--max_new_tokens=10", "--device=cpu")
     assert ran.returncode == 0 and len(ran.stdout.strip()) >= 10, ran.stderr
@@ -166,7 +181,7 @@ def damage(kind: str, last: Path):
     ("metadata garbage", "its metadata is damaged"),
     ("metadata of other types", "its metadata is damaged (AttributeError: 'int' object has no attribute"),
     ("metadata naming a part by a number", "its metadata is damaged (ValueError: a tensor's entry is not a size, a "
-                                           "dtype and a file name)"),
+                                           "dtype and a file in the folder)"),
     ("run.json of another shape", "run.json does not hold a run's state"),
 ])
 def test_a_bad_sharded_checkpoint_is_one_line_and_auto_falls_back_to_previous(
