@@ -453,23 +453,29 @@ def test_train_spawns_own_argument_is_one_line(char_data, tmp_path, script):
         assert proc.returncode == 2 and proc.stderr == f"error: {message}\n", proc.stderr
 
 
-@pytest.mark.parametrize("code, said", [(-9, "error: rank 1 was killed by SIGKILL: relaunch with resume=auto to "
-                                               "continue from the last checkpoint\n"),
-                                         (128 + signal.SIGTERM, "")])  # stopped with a checkpoint: no error line
-def test_train_spawn_exits_as_its_rank_did(char_data, tmp_path, script, monkeypatch, code, said):
+@pytest.mark.parametrize("code, received, said", [
+    (-9, None, "error: rank 1 was killed by SIGKILL: relaunch with resume=auto to continue from the last checkpoint\n"),
+    (128 + signal.SIGTERM, signal.SIGTERM, ""),  # stopped with a checkpoint: no error line
+    (-signal.SIGINT, signal.SIGINT, ""),  # the launcher's Ctrl-C reached a rank done training: was "killed", 1
+])
+def test_train_spawn_exits_as_its_rank_did(char_data, tmp_path, script, monkeypatch, code, received, said):
     # sys.exit(-9) would end the launcher with status 247
     import torch.multiprocessing as mp
+    handlers = {}
 
     class Killed:
         processes = []
 
         def join(self):
+            if received:
+                handlers[received](received, None)
             raise mp.ProcessExitedException("", error_index=1, error_pid=4242, exit_code=code,
-                                            signal_name="SIGKILL" if code < 0 else None)
+                                            signal_name=signal.Signals(-code).name if code < 0 else None)
     monkeypatch.setattr(mp, "spawn", lambda *args, **kwargs: Killed())
-    monkeypatch.setattr(signal, "signal", lambda *args: None)  # pytest keeps its own handlers
+    monkeypatch.setattr(signal, "signal", handlers.__setitem__)  # pytest keeps its own handlers
     proc = script("train_spawn.py", "--nproc=2", *tiny_args(char_data, tmp_path / "out"))
-    assert proc.returncode == max(code, 1) and proc.stderr == said, proc.stderr
+    expected = 128 - code if code < 0 and received else max(code, 1)  # (SIGINT's death: 130, as one process)
+    assert proc.returncode == expected and proc.stderr == said, (proc.returncode, proc.stderr)
 
 
 def _train_rank_recording_config_errors(rank, world_size, args, damage_on_rank1=True, rank1_args=()):
