@@ -339,6 +339,7 @@ def cli(argv=None):
         if "-h" in args or "--help" in args:
             return print(f"{__doc__}\n--debug shows the traceback of an error.\n\n{Config.defaults()}", flush=True)
         result = main(resolve(strip_local_rank([a for a in args if a != "--debug"])))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # all saved: a Ctrl-C as Python exits changes nothing (a traceback)
     if result["stopped"]:  # like any process ended by the signal, but only after saving
         sys.exit(128 + result["stopped"])
 

@@ -2,6 +2,7 @@
 trained on it, and scripts run in this process (tests/harness.py holds the helpers)."""
 
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +33,15 @@ def one_thread(monkeypatch):
     and two threads for a tiny model on a busy machine make each op wait for the other thread:
     in this process torch keeps the one thread pytest_configure set."""
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+
+
+@pytest.fixture(autouse=True)
+def own_signal_handlers():
+    """A stopped run's train.cli leaves Ctrl-C ignored as its process exits: here the process is pytest."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -85,6 +85,18 @@ def test_sigint_stops_a_single_process_at_a_step_with_a_checkpoint(char_data, tm
     assert_same_weights(ckpt(tmp_path), uninterrupted)
 
 
+def test_a_stopped_or_finished_run_ignores_ctrl_c_as_it_exits(monkeypatch):
+    """(A second Ctrl-C while Python exited, after the stop's save, printed an atexit callback's traceback.)"""
+    import train
+    monkeypatch.setattr(train, "main", lambda cfg: {"stopped": signal.SIGINT})
+    with pytest.raises(SystemExit) as exit_info:
+        train.cli([])  # (conftest restores pytest's own handler)
+    assert exit_info.value.code == 130 and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    monkeypatch.setattr(train, "main", lambda cfg: {"stopped": 0})  # finished: the same
+    assert train.cli([]) is None and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
 # --- two runs, one out_dir ----------------------------------------------------------------------
 
 @pytest.mark.slow
