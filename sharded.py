@@ -198,6 +198,8 @@ class Background:
             except BaseException as e:
                 self.error = f"{type(e).__name__}: {first_line(e)}"  # should explaining it fail too
                 self.error = _reason(e, out_dir, need)
+                if commit:  # rank 0: the part written goes now, not at the next start (a full disk stays full)
+                    remove(out_dir / TMP)
             finally:  # else failure(wait=True) would wait for ever
                 self.finished.set()
         future.add_done_callback(done)
@@ -241,6 +243,8 @@ def save_run(raw_model, optimizer, run_state: dict, out_dir: Path, best: bool, w
     try:
         dcp.save(tensors, storage_writer=writer, process_group=world.group, no_dist=alone)
     except dcp.api.CheckpointException as e:
+        if world.is_master:  # (every rank's write has ended: DCP gathered their results)
+            remove(tmp)
         raise OSError(_reason(e, out_dir, tensor_bytes(tensors))) from None
     if world.is_master:
         _commit(out_dir, best, rotate)

@@ -28,7 +28,7 @@ import sample
 import train
 from config import resolve
 from errors import ConfigError, LogNotWritten
-from harness import REPO, child_env, run_world, small_disk, tiny_args, without_log
+from harness import REPO, child_env, no_temporaries, run_world, small_disk, tiny_args, without_log
 from model import GPT, GPTConfig
 
 
@@ -194,7 +194,9 @@ def test_a_full_disk_ends_the_run_with_no_space_left_and_earlier_checkpoints_usa
         code, _, err = train_cli(capsys, char_data, out, max_iters=10, eval_interval=5, **sharded)
         message = one_error(err)
         assert code == 1 and "No space left on device" in message and "last.dcp holds step 5" in message, err
-        assert checkpoint.read(out / "last.dcp")["step"] == 5
+        assert checkpoint.read(out / "last.dcp")["step"] == 5 and no_temporaries(out)  # (the part written: gone)
+        code, _, err = train_cli(capsys, char_data, out, max_iters=10, eval_interval=5, checkpoint_format="sharded")
+        assert code == 1 and "last.dcp holds step 5" in one_error(err) and no_temporaries(out), err  # not in the background
 
 
 @pytest.mark.slow
