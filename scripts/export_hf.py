@@ -77,9 +77,10 @@ def main(argv=None):
     pretrained.run_folder(out_dir)
     mine = os.path.realpath(to) == os.path.realpath(out_dir)  # (Path.resolve raises on a link loop)
     try:  # the Hugging Face folder the run started from: its weights would be replaced
-        start = read_json(out_dir / "config.json")["config"]["init_from"]  # (as logger.py writes it)
+        written = read_json(out_dir / "config.json")  # (as logger.py writes it)
+        start, ran_in = written["config"]["init_from"], written["run"].get("cwd", "")  # (a relative path: from there)
         began = start not in pretrained.RELEASED and pretrained.is_pretrained(start) and \
-            os.path.realpath(to) == os.path.realpath(start)  # (a relative path: from where training ran)
+            os.path.realpath(to) == os.path.realpath(os.path.join(ran_in, start))
     except (OSError, ValueError, LookupError, TypeError):  # (no config.json: an older run, or one copied without it)
         began = False
     run = any((to / name).exists() for name in checkpoint.WRITTEN if name != "config.json") or any(to.glob("*.dcp"))

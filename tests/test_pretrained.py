@@ -453,6 +453,11 @@ def test_export_bad_input_is_one_line(tmp_path, fails_with, trained):
     (tmp_path / "empty" / "config.json").write_text(json.dumps(written))
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'gpt2'}"],
                f"--to={tmp_path / 'gpt2'} is the folder the run started from (init_from): give another folder")
+    assert written["run"]["cwd"] == os.getcwd()  # a relative init_from is from where training ran, not from here
+    written["config"]["init_from"], written["run"]["cwd"] = "gpt2-mine", str(tmp_path)
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(written))
+    fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'gpt2-mine'}"],
+               f"--to={tmp_path / 'gpt2-mine'} is the folder the run started from (init_from): give another folder")
     written["config"]["init_from"] = "gpt2"  # the released model, from the cache: a folder named gpt2 is not it
     (tmp_path / "empty" / "config.json").write_text(json.dumps(written))
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", "--to=gpt2"], "no best.pt, last.pt")
