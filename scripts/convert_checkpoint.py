@@ -26,7 +26,8 @@ def main(argv=None):
     p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("source", type=Path, help="a sharded checkpoint folder, e.g. out/last.dcp")
     p.add_argument("dest", type=Path, help="the .pt file to write (replaced atomically if it exists, unless it "
-                                           "holds a later step or another run's checkpoint)")
+                                           "holds a later step or another run's checkpoint: another model, "
+                                           "vocabulary, seed or global_batch_size)")
     args = p.parse_args(argv)
     if args.source.suffix != ".dcp" or not args.source.is_dir():
         raise ConfigError(f"{args.source} is not a sharded checkpoint folder (NAME.dcp) train.py wrote")
@@ -56,8 +57,11 @@ def main(argv=None):
     other_shape = isinstance(held.get("model_args"), dict) and checkpoint.shape_diff(held["model_args"],
                                                                                      state["model_args"])
     other_vocab = all(isinstance(x.get("vocab"), dict) for x in (held, state)) and held["vocab"] != state["vocab"]
-    if other_shape or other_vocab:  # (not dropout, nor a field older files lack: the same model)
-        raise ConfigError(f"{args.dest} holds another run's checkpoint (another model or vocabulary): {instead}")
+    other_order = isinstance(held.get("config"), dict) and any(  # (what a resume refuses: another data order)
+        held["config"].get(k) != state["config"].get(k) for k in ("seed", "global_batch_size"))
+    if other_shape or other_vocab or other_order:  # (not dropout, nor a field older files lack: the same model)
+        raise ConfigError(f"{args.dest} holds another run's checkpoint (another model, vocabulary, seed or "
+                          f"global_batch_size): {instead}")
     try:
         checkpoint.write(state, args.dest)
     except OSError as e:

@@ -286,12 +286,14 @@ def test_the_converter_does_not_replace_a_newer_checkpoint(sharded, tmp_path, sc
     assert (tmp_path / "x.pt").read_bytes() == before
     assert script("scripts/convert_checkpoint.py", sharded / "last.dcp", tmp_path / "x.pt").returncode == 0  # same step
     earlier = {**torch.load(tmp_path / "x.pt", weights_only=True), "step": 1}
-    for key, value in (("model_args", {"n_layer": 7}), ("vocab", {"chars": "ab"})):  # another run's, of an earlier step
+    for key, value in (("model_args", {"n_layer": 7}), ("vocab", {"chars": "ab"}), ("config", {"seed": 7}),
+                       ("config", {"global_batch_size": 64})):  # another run's, of an earlier step
         torch.save({**earlier, key: {**earlier[key], **value}}, tmp_path / "x.pt")
         ran = script("scripts/convert_checkpoint.py", sharded / "last.dcp", tmp_path / "x.pt")
         assert ran.returncode == 2 and ran.stderr == (
-            f"error: {tmp_path / 'x.pt'} holds another run's checkpoint (another model or vocabulary): write another "
-            f"file (e.g. {tmp_path / 'converted.pt'}), or delete it first\n"), ran.stderr
+            f"error: {tmp_path / 'x.pt'} holds another run's checkpoint (another model, vocabulary, seed or "
+            f"global_batch_size): write another file (e.g. {tmp_path / 'converted.pt'}), or delete it first\n"), \
+            ran.stderr
     # this run's, with another dropout and without a field older files lack: replaced, as a resume would take it
     args = {k: v for k, v in earlier["model_args"].items() if k != "pad_vocab_to"}
     torch.save({**earlier, "model_args": {**args, "dropout": 0.3}}, tmp_path / "x.pt")
