@@ -29,6 +29,7 @@ from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_META, PROGRESS, load_met
 from data.corpora import prepare_parser
 from data.files import atomic_write_bytes, preparing, read_json
 from data.tokenizers import gpt2_encoding
+from errors import say
 
 
 def shard_arguments(doc: str, repo_id: str) -> argparse.ArgumentParser:
@@ -53,6 +54,13 @@ def _start_worker():
         _encoder = gpt2_encoding(verbose=False)
     except Exception as e:  # noqa: BLE001  an initializer that raises is restarted by the Pool forever
         _encoder = e
+
+
+def _terminated(signum, frame):
+    """SIGTERM (a scheduler, `timeout`) while the pool runs unwinds as Ctrl-C does: the pool ends its workers
+    and the shard being written goes (killed at once, it left worker tracebacks and leaked semaphores)."""
+    say("error: interrupted (SIGTERM)")
+    raise SystemExit(128 + signum)
 
 
 def _encode(item):
@@ -188,14 +196,18 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
                 bar.update(len(tokens))
 
         # Two blocks in flight at most, so memory stays bounded (Pool.imap would read all ahead).
-        with mp.get_context("spawn").Pool(workers, initializer=_start_worker) as pool:
-            pending, docs = [], documents()
-            for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
-                pending.append(pool.map_async(_encode, block, chunksize=16))
-                if len(pending) == 2:
-                    take(pending.pop(0).get())
-            for result in pending:
-                take(result.get())
+        previous = signal.signal(signal.SIGTERM, _terminated)
+        try:
+            with mp.get_context("spawn").Pool(workers, initializer=_start_worker) as pool:
+                pending, docs = [], documents()
+                for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
+                    pending.append(pool.map_async(_encode, block, chunksize=16))
+                    if len(pending) == 2:
+                        take(pending.pop(0).get())
+                for result in pending:
+                    take(result.get())
+        finally:
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
         bar.close()
         return _finish(source, out_dir, streams, counts, settings, shard_tokens, on_shard)
 

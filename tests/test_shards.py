@@ -115,23 +115,28 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
     folder = Path(shutil.copytree(corpus[0], tmp_path / "corpus"))  # (changed below)
     args = [f"--input={folder}/part*", "--shard_tokens=3000", "--workers=1"]
     assert prepare("fineweb", *args, f"--out_dir={tmp_path / 'straight'}").returncode == 0
-    out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "data/fineweb/prepare.py", *args, f"--out_dir={out}"], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    progress = out / ".progress.json"
-    deadline = time.monotonic() + 60
-    while not (progress.exists() and len(json.loads(progress.read_text() or "{}").get("streams", {})
-                                          .get("stream", {}).get("shards", [])) >= 5):
-        assert proc.poll() is None, "the prepare finished before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (out / "meta.json").exists()
-    resumed = prepare("fineweb", *args, f"--out_dir={out}")
-    assert resumed.returncode == 0 and "resuming: " in resumed.stdout, resumed.stderr
     straight = {p.name: p.read_bytes() for p in (tmp_path / "straight").iterdir()}
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == straight  # no temporaries, no progress file
+    for sig, workers in ((signal.SIGKILL, 1), (signal.SIGTERM, 2)):
+        out = tmp_path / sig.name
+        proc = subprocess.Popen([sys.executable, "data/fineweb/prepare.py", *args, f"--workers={workers}",
+                                 f"--out_dir={out}"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+        progress = out / ".progress.json"
+        deadline = time.monotonic() + 60
+        while not (progress.exists() and len(json.loads(progress.read_text() or "{}").get("streams", {})
+                                              .get("stream", {}).get("shards", [])) >= 5):
+            assert proc.poll() is None, "the prepare finished before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        err = proc.communicate()[1]
+        assert not (out / "meta.json").exists()
+        if sig == signal.SIGTERM:  # (a scheduler's, `timeout`'s): as Ctrl-C, not worker tracebacks, leaked semaphores
+            assert proc.returncode == 143 and err == "error: interrupted (SIGTERM)\n", err
+            assert [p.name for p in out.iterdir() if ".tmp" in p.name] == []
+        resumed = prepare("fineweb", *args, f"--out_dir={out}")
+        assert resumed.returncode == 0 and "resuming: " in resumed.stdout, resumed.stderr
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == straight  # no temporaries, no progress file
     # a disk that fills midway: one line naming the folder (once a bare "[Errno 28] No space left on
     # device"), and what was written goes on, once there is room, to the same bytes
     with small_disk(tmp_path / "tiny", f"{sum(map(len, straight.values())) // 2048}k") as disk:
