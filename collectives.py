@@ -131,6 +131,12 @@ class Agreement:
 COMM_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "socket", "peer", "closed")
 
 
+def lost_peer(e: BaseException) -> bool:
+    """Whether `e` is a timed-out or broken collective (a peer gone, a network down)."""
+    return not isinstance(e, RunError) and (isinstance(e, dist.DistError) or any(w in str(e).lower()
+                                                                                  for w in COMM_WORDS))
+
+
 @contextmanager
 def collective_failures_explained(world, dist_timeout: float, where):
     """Turn a timed-out or broken collective into a message that says what to do.
@@ -138,8 +144,7 @@ def collective_failures_explained(world, dist_timeout: float, where):
     try:
         yield
     except RuntimeError as e:
-        if world.size == 1 or isinstance(e, RunError) or not (
-                isinstance(e, dist.DistError) or any(w in str(e).lower() for w in COMM_WORDS)):
+        if world.size == 1 or not lost_peer(e):
             raise
         raise CollectiveFailed(world.rank, where(), dist_timeout, e) from None
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import parallel
-from collectives import agree_or_raise, any_rank, broadcast_json, first_error
+from collectives import agree_or_raise, any_rank, broadcast_json, first_error, lost_peer
 from data.files import atomic_write_bytes, disk_full, fsync_dir, link_or_copy, remove, tensor_bytes
 from errors import DISK_FULL, ConfigError, UnreadableCheckpoint, first_line, load_failure
 
@@ -124,6 +124,9 @@ def load(path: Path, state: dict, world=None):
     try:
         dcp.load(state, storage_reader=_reader(path), process_group=None if alone else world.group, no_dist=alone)
     except (Exception, dcp.api.CheckpointException) as e:  # the latter is a BaseException; Ctrl-C goes on
+        failures = [exc for exc, _ in getattr(e, "failures", {}).values()] or [e]  # (each rank's, DCP's)
+        if not alone and (lost := next((x for x in failures if lost_peer(x)), None)):  # not the checkpoint's fault:
+            raise RuntimeError(f"{type(lost).__name__}: {first_line(lost)}") from None  # CollectiveFailed, exit 1
         raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {_reason(e)}") from None
 
 

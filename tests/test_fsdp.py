@@ -16,8 +16,9 @@ import torch
 
 import train
 from config import resolve
+from collectives import lost_peer
 from harness import (assert_close_runs, ckpt, max_diff, no_temporaries, ranks_say, run_ranks, run_world, small_disk,
-                     tiny_args)
+                     tiny_args, train_here)
 
 TOL = 1e-5  # the README's tolerance between launches
 STEPS = 6
@@ -262,6 +263,31 @@ def test_a_checkpoint_folder_of_the_same_name_but_other_content_is_not_rank_0s(t
     # (it said to use --checkpoint_format=file, which cannot read a .dcp either)
     assert errors[0].endswith(f"python scripts/convert_checkpoint.py {folders[0]} {folders[0].parent}/converted.pt, "
                               f"then pass --resume= that file"), errors[0]
+
+
+def _load_as_rank_1_leaves(rank, world, path, out):
+    """ranks_say: rank 1 leaves the group at once (as kill -9 would); rank 0 loads a sharded checkpoint."""
+    import sharded
+    if rank == 1:
+        (Path(out) / "rank1.txt").write_text("gone")
+        os._exit(0)
+    metadata = sharded.parts(Path(path))[1]
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()}
+    try:
+        sharded.load(Path(path), state, world)
+    except RuntimeError as e:  # (an UnreadableCheckpoint is a ConfigError: ranks_say records it)
+        return f"lost: {e}"
+    return "loaded"
+
+
+@pytest.mark.slow
+def test_a_peer_lost_while_loading_a_sharded_checkpoint_is_no_unreadable_checkpoint(char_data, tmp_path):
+    """(It was "cannot read checkpoint ...: Connection reset by peer", exit 2, and resume=auto moved on to
+    previous.dcp: a good checkpoint blamed, the advice to give it up.) Now a lost peer: CollectiveFailed, exit 1."""
+    train_here(char_data, tmp_path / "run", checkpoint_format="sharded", max_iters=2, eval_interval=2)
+    said = ranks_say(_load_as_rank_1_leaves, 2, tmp_path, str(tmp_path / "run" / "last.dcp"), str(tmp_path),
+                     in_group=True)
+    assert said[0].startswith("lost: ") and lost_peer(RuntimeError(said[0])), said
 
 
 @pytest.mark.slow
