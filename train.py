@@ -141,8 +141,9 @@ class Run:
         are None). Sharded: every rank reads its own part, resharded to this world by DCP."""
         chosen = [{k: g[k] for k in ("weight_decay", "betas", "foreach", "fused", "capturable", "differentiable")}
                   for g in self.optimizer.param_groups]
-        if ckpt.get("sharded"):  # every rank loads its own shards
-            sharded.load_run(Path(ckpt["path"]), self.raw_model, self.optimizer, ckpt, self.world)
+        if ckpt.get("sharded"):  # every rank loads its own shards: resume=auto, from its own out_dir (by host)
+            path = Path(self.cfg.out_dir) / Path(ckpt["path"]).name if self.cfg.resume == "auto" else ckpt["path"]
+            sharded.load_run(Path(path), self.raw_model, self.optimizer, ckpt, self.world)
         else:
             parallel.load_full_state(self.raw_model, self.optimizer, self.world, ckpt)
         for group, mine in zip(self.optimizer.param_groups, chosen):  # AdamW as this run set it, not as saved

@@ -17,8 +17,8 @@ import torch
 import train
 from config import resolve
 from collectives import lost_peer
-from harness import (assert_close_runs, ckpt, max_diff, no_temporaries, ranks_say, run_ranks, run_world, small_disk,
-                     tiny_args, train_here)
+from harness import (assert_close_runs, ckpt, max_diff, metrics, no_temporaries, ranks_say, run_ranks, run_world,
+                     small_disk, tiny_args, train_here)
 
 TOL = 1e-5  # the README's tolerance between launches
 STEPS = 6
@@ -239,6 +239,39 @@ def test_sharded_checkpoints_need_storage_every_rank_sees(char_data, tmp_path):
     assert errors[0] == errors[1] and errors[0].startswith("rank 1 on ") and "does not see rank 0's" in errors[0]
     assert "needs storage every rank sees" in errors[0] and "--checkpoint_format=file" in errors[0]
     assert not (out / "last.dcp").exists()
+
+
+def _rank_1_with_the_shared_disk_elsewhere(rank, world_size, args, disk, elsewhere):
+    """run_ranks: rank 1 sees rank 0's disk at another path (a mount namespace of its own: the disk bound at
+    `elsewhere`, an empty tmpfs where rank 0 has it), its out_dir there, as PER_HOST allows; errors to error.RANK."""
+    import ctypes
+    import subprocess
+    from config import resolve
+    from errors import ConfigError
+    if rank == 1:
+        assert ctypes.CDLL(None, use_errno=True).unshare(0x00020000) == 0  # CLONE_NEWNS
+        subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+        subprocess.run(["mount", "--bind", disk, elsewhere], check=True)
+        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", disk], check=True)
+    try:
+        train.main(resolve([*args, f"--out_dir={Path(elsewhere if rank else disk) / 'out'}"]))
+    except ConfigError as e:
+        (Path(disk).parent / f"error.{rank}").write_text(str(e))
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_where_each_host_mounts_the_storage(char_data, tmp_path):
+    """(rank 0's path was every rank's: "rank 1 ... does not see rank 0's .../last.dcp", though it wrote it)"""
+    if os.geteuid() != 0:
+        pytest.skip("a mount namespace needs root")
+    disk, elsewhere = tmp_path / "disk", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    train_here(char_data, disk / "out", checkpoint_format="sharded", max_iters=4, eval_interval=4)
+    args = tiny_args(char_data, disk / "out", checkpoint_format="sharded", max_iters=8, eval_interval=4, resume="auto")
+    run_ranks(_rank_1_with_the_shared_disk_elsewhere, 2, args, str(disk), str(elsewhere))
+    assert not list(tmp_path.glob("error.*")), [p.read_text() for p in tmp_path.glob("error.*")]
+    assert ckpt(disk / "out", "last.dcp")["step"] == 8 and ckpt(disk / "out", "previous.dcp")["step"] == 4
+    assert [r["step"] for r in metrics(disk / "out") if "val_loss" in r] == [0, 4, 8]  # resumed at 4
 
 
 def _check_own_folder(rank, world, folders):
