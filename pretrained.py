@@ -282,8 +282,9 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
         raise ConfigError(f"no last.pt or last.dcp in {out_dir}: use --checkpoint=best, or train first")
     if not paths:
         nanogpt = " (its ckpt.pt is nanoGPT's, which this repo does not read)" * (out_dir / "ckpt.pt").exists()
-        raise ConfigError(f"no best.pt, last.pt or previous.pt in {out_dir} (nor a .dcp folder){nanogpt}: train "
-                          f"first, or pass --out_dir")
+        hf = ": it holds a Hugging Face model, which --init_from takes" * (out_dir / "model.safetensors").exists()
+        raise ConfigError(f"no best.pt, last.pt or previous.pt in {out_dir} (nor a .dcp folder){nanogpt}"
+                          f"{hf or ': train first, or pass --out_dir'}")
 
     def build(path):
         ckpt = checkpoint.read(path)

@@ -131,6 +131,9 @@ def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, m
     (lambda out: (out / "best.pt").unlink() or (out / "last.pt").unlink(), "no best.pt, last.pt or previous.pt in"),
     (lambda out: (out / "best.pt").rename(out / "ckpt.pt") and (out / "last.pt").unlink(),  # nanoGPT's
      "(nor a .dcp folder) (its ckpt.pt is nanoGPT's, which this repo does not read): train first"),
+    (lambda out: [(out / f"{k}.pt").unlink(missing_ok=True) for k in ("best", "last", "previous")] and write(
+        out / "model.safetensors", b""),  # an export's folder given as a run's
+     "(nor a .dcp folder): it holds a Hugging Face model, which --init_from takes"),
     (lambda out: (older(out) / "meta.json").unlink(), "meta.json not found: copy the dataset's meta.json there"),
     (lambda out: (older(out) / "meta.json").unlink() or (out / "meta.json").mkdir(),
      "meta.json not found: copy the dataset's meta.json there"),
