@@ -136,6 +136,7 @@ def find(cfg: Config) -> list:
     return paths
 
 
+DATA_ORDER = ("global_batch_size", "seed")  # a resume keeps them: else the data order changes
 REQUIRED = ("model", "optimizer", "scaler", "step", "best_val_loss", "config", "model_args", "loader", "world_size")
 
 
@@ -194,7 +195,7 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
     if diff := shape_diff(ckpt["model_args"], model_args):
         raise ConfigError(f"{path} holds another model shape (checkpoint, now): {diff}: resume with the shape it was "
                           f"trained with, or start afresh with --resume=never (or another --out_dir)")
-    for name in ("global_batch_size", "seed"):
+    for name in DATA_ORDER:
         if ckpt["config"].get(name) != getattr(cfg, name):
             raise ConfigError(f"{path} was trained with {name}={ckpt['config'].get(name)}; resuming with "
                               f"{getattr(cfg, name)} would change the data order: keep {name} or use --resume=never")

@@ -214,9 +214,10 @@ class UnreadableCheckpoint(ConfigError):
 
 
 class HellaSwagMissing(ConfigError):
-    def __init__(self, cache, url: str, e: Exception):
+    def __init__(self, cache, url: str, e: Exception, downloaded: bool = False):  # (downloaded: the cache refused it)
+        how, fix = ("was downloaded but cannot be kept there", "set XDG_CACHE_HOME to a folder you can write") \
+            if downloaded else ("cannot be downloaded here", f"on a machine with a network download {url} and put "
+                                                             f"it at {cache}")
         super().__init__(
-            f"the HellaSwag validation set is not at {cache} and cannot be downloaded here "
-            f"({type(e).__name__}: {first_line(e, 120)}): on a machine with a network download {url} "
-            f"and put it at {cache}, or point at your copy with --hellaswag=PATH (eval.py) or "
-            f"--hellaswag_path=PATH (train.py)")
+            f"the HellaSwag validation set is not at {cache} and {how} ({type(e).__name__}: {first_line(e, 120)}): "
+            f"{fix}, or point at your copy with --hellaswag=PATH (eval.py) or --hellaswag_path=PATH (train.py)")

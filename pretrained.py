@@ -278,13 +278,15 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
     eval.py and scripts/export_hf.py: best, else last (or the other way round), else previous, of either format."""
     kinds = (("best", "last") if prefer == "best" else ("last", "best")) + ("previous",)
     paths = [p for kind in kinds for p in checkpoint.newest([out_dir / f"{kind}.pt", out_dir / f"{kind}.dcp"])]
+    if not paths and is_model_folder(out_dir):
+        raise ConfigError(f"{out_dir} holds a Hugging Face model, not a training run: sample.py and eval.py take it "
+                          f"as --init_from={out_dir}")
     if prefer == "last" and not any(p.stem == "last" for p in paths):
         raise ConfigError(f"no last.pt or last.dcp in {out_dir}: use --checkpoint=best, or train first")
     if not paths:
         nanogpt = " (its ckpt.pt is nanoGPT's, which this repo does not read)" * (out_dir / "ckpt.pt").exists()
-        hf = ": it holds a Hugging Face model, which --init_from takes" * (out_dir / "model.safetensors").exists()
-        raise ConfigError(f"no best.pt, last.pt or previous.pt in {out_dir} (nor a .dcp folder){nanogpt}"
-                          f"{hf or ': train first, or pass --out_dir'}")
+        raise ConfigError(f"no best.pt, last.pt or previous.pt in {out_dir} (nor a .dcp folder){nanogpt}: train "
+                          f"first, or pass --out_dir")
 
     def build(path):
         ckpt = checkpoint.read(path)

@@ -125,8 +125,8 @@ def load(path: Path, state: dict, world=None):
         dcp.load(state, storage_reader=_reader(path), process_group=None if alone else world.group, no_dist=alone)
     except (Exception, dcp.api.CheckpointException) as e:  # the latter is a BaseException; Ctrl-C goes on
         failures = [exc for exc, _ in getattr(e, "failures", {}).values()] or [e]  # (each rank's, DCP's)
-        if not alone and (lost := next((x for x in failures if lost_peer(x)), None)):  # not the checkpoint's fault:
-            raise RuntimeError(f"{type(lost).__name__}: {first_line(lost)}") from None  # CollectiveFailed, exit 1
+        if not alone and (lost := next((x for x in failures if isinstance(x, RuntimeError) and lost_peer(x)), None)):
+            raise lost from None  # not the checkpoint's fault: CollectiveFailed (exit 1, relaunch)
         raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {_reason(e)}") from None
 
 
@@ -280,8 +280,9 @@ def check_shared(folder: Path, world, what: str):
         fix = (f"make it a file that rank 0 alone reads, on rank 0's host: python scripts/convert_checkpoint.py "
                f"{where} {Path(where).parent}/converted.pt, then pass --resume= that file" if folder.suffix == ".dcp"
                else "use --checkpoint_format=file, which needs none")
+        looked = "" if str(folder) == where else f"; it looked at {folder}"  # (out_dir may differ by host)
         agree_or_raise(None if seen else
-                       f"rank {world.rank} on {socket.gethostname()} does not see rank 0's {where} ({what}): "
+                       f"rank {world.rank} on {socket.gethostname()} does not see rank 0's {where} ({what}{looked}): "
                        f"a sharded checkpoint needs storage every rank sees (a shared filesystem); {fix}", world)
     finally:
         if probe is not None and probe.suffix == ".tmp":

@@ -80,9 +80,9 @@ def run(nproc: int, args: list, errors: Path):
             print(line, file=sys.stderr, flush=True)
         if not isinstance(e, mp.ProcessExitedException):  # a rank raised what no error names: its traceback
             raise
-        # 1 and 2: the rank said why; 128 + SIGTERM/SIGINT: it stopped with a checkpoint
         if -e.exit_code in received:  # it got the signal outside training (starting, or done): as one process
             sys.exit(128 - e.exit_code)
+        # 1 and 2: the rank said why; 128 + SIGTERM/SIGINT: it stopped with a checkpoint
         if e.exit_code < 0:  # killed by a signal (SIGKILL: the out-of-memory killer, say): a failed run
             print(f"error: rank {e.error_index} was killed by {e.signal_name}: relaunch with resume=auto to "
                   f"continue from the last checkpoint", file=sys.stderr)

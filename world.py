@@ -99,8 +99,8 @@ def find_world() -> World:
         world = World(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"]),
                       per_node[node])
     if not (world.rank < world.size and world.local_rank < world.local_size):  # else peers never come
-        raise ConfigError(f"rank {world.rank} (local rank {world.local_rank}) cannot be in a world of size {world.size} "
-                          f"({world.local_size} on this host): check the launch command")
+        raise ConfigError(f"rank {world.rank} (local rank {world.local_rank}) cannot be in a world of size "
+                          f"{world.size} ({world.local_size} on this host): check the launch command")
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
     if world.size > 1 and not (addr and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
         raise ConfigError(f"{world.size} processes need MASTER_ADDR (rank 0's host) and MASTER_PORT (a port, 1-65535), "

@@ -17,6 +17,8 @@ import math
 import multiprocessing as mp
 import os
 import signal
+import threading
+from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterator
@@ -56,11 +58,21 @@ def _start_worker():
         _encoder = e
 
 
-def _terminated(signum, frame):
-    """SIGTERM (a scheduler, `timeout`) while the pool runs unwinds as Ctrl-C does: the pool ends its workers
-    and the shard being written goes (killed at once, it left worker tracebacks and leaked semaphores)."""
-    say("error: interrupted (SIGTERM)")
-    raise SystemExit(128 + signum)
+@contextmanager
+def sigterm_unwinds():
+    """SIGTERM (a scheduler, `timeout`) unwinds as Ctrl-C does: the pool ends its workers and the shard
+    being written goes (killed at once, it left worker tracebacks and leaked semaphores). Only the main
+    thread can set a handler; elsewhere SIGTERM stays as it was."""
+    def unwind(signum, frame):
+        say("error: interrupted (SIGTERM)")
+        raise SystemExit(128 + signum)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, unwind) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
 
 
 def _encode(item):
@@ -196,18 +208,14 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
                 bar.update(len(tokens))
 
         # Two blocks in flight at most, so memory stays bounded (Pool.imap would read all ahead).
-        previous = signal.signal(signal.SIGTERM, _terminated)
-        try:
-            with mp.get_context("spawn").Pool(workers, initializer=_start_worker) as pool:
-                pending, docs = [], documents()
-                for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
-                    pending.append(pool.map_async(_encode, block, chunksize=16))
-                    if len(pending) == 2:
-                        take(pending.pop(0).get())
-                for result in pending:
-                    take(result.get())
-        finally:
-            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+        with sigterm_unwinds(), mp.get_context("spawn").Pool(workers, initializer=_start_worker) as pool:
+            pending, docs = [], documents()
+            for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
+                pending.append(pool.map_async(_encode, block, chunksize=16))
+                if len(pending) == 2:
+                    take(pending.pop(0).get())
+            for result in pending:
+                take(result.get())
         bar.close()
         return _finish(source, out_dir, streams, counts, settings, shard_tokens, on_shard)
 

@@ -96,7 +96,7 @@ def gpt2_encoding(bpe_file=None, verbose: bool = True):
             how = f"{WHISPER_PACKAGE} sdist via pip download (cached in {cache})"
             try:
                 atomic_write_bytes(cache, data)
-            except OSError as e:  # a read-only or full cache folder: this run needs no copy
+            except OSError as e:  # a read-only or full cache folder (a prepare's workers fetch it again, each)
                 how = f"{WHISPER_PACKAGE} sdist via pip download (not cached: {cache}: {e.strerror or e})"
             enc = _gpt2_from_bpe(data)
     if enc.encode("hello world") != [31373, 995] or enc.n_vocab != GPT2_VOCAB_SIZE:

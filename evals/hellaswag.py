@@ -66,9 +66,7 @@ def locate(path: str = "") -> Path:
     try:
         atomic_write_bytes(cache, data)
     except OSError as e:  # a read-only or full cache folder
-        raise ConfigError(f"HellaSwag was downloaded but cannot be kept at {cache} ({e.strerror or e}): set "
-                          f"XDG_CACHE_HOME to a folder you can write, or save {URL} yourself and pass its path "
-                          f"with --hellaswag_path=PATH (train.py) or --hellaswag=PATH (eval.py)") from None
+        raise HellaSwagMissing(cache, URL, e, downloaded=True) from None
     return cache
 
 

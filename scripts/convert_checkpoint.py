@@ -58,7 +58,7 @@ def main(argv=None):
                                                                                      state["model_args"])
     other_vocab = all(isinstance(x.get("vocab"), dict) for x in (held, state)) and held["vocab"] != state["vocab"]
     other_order = isinstance(held.get("config"), dict) and any(  # (what a resume refuses: another data order)
-        held["config"].get(k) != state["config"].get(k) for k in ("seed", "global_batch_size"))
+        held["config"].get(k) != state["config"].get(k) for k in checkpoint.DATA_ORDER)
     if other_shape or other_vocab or other_order:  # (not dropout, nor a field older files lack: the same model)
         raise ConfigError(f"{args.dest} holds another run's checkpoint (another model, vocabulary, seed or "
                           f"global_batch_size): {instead}")

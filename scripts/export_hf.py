@@ -81,7 +81,7 @@ def main(argv=None):
         start, ran_in = written["config"]["init_from"], written["run"].get("cwd", "")  # (a relative path: from there)
         began = start not in pretrained.RELEASED and pretrained.is_pretrained(start) and \
             os.path.realpath(to) == os.path.realpath(os.path.join(ran_in, start))
-    except (OSError, ValueError, LookupError, TypeError):  # (no config.json: an older run, or one copied without it)
+    except (OSError, ValueError, LookupError, TypeError, AttributeError):  # (no config.json: an older run, a copy)
         began = False
     run = any((to / name).exists() for name in checkpoint.WRITTEN if name != "config.json") or any(to.glob("*.dcp"))
     if mine or began or run or to.suffix == ".dcp":  # a run's (its config.json), its init_from, or a checkpoint

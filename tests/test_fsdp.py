@@ -292,7 +292,7 @@ def test_a_checkpoint_folder_of_the_same_name_but_other_content_is_not_rank_0s(t
         (folder / "run.json").write_text(json.dumps({"step": 4 * (r + 1), "param_groups": []}))
     errors = ranks_say(_check_own_folder, 2, tmp_path, [str(f) for f in folders], in_group=True)
     assert errors[0] == errors[1] and errors[0].startswith("rank 1 on "), errors
-    assert f"does not see rank 0's {folders[0]} (to resume from it)" in errors[0]  # (not rank 1's path)
+    assert f"does not see rank 0's {folders[0]} (to resume from it; it looked at {folders[1]})" in errors[0]
     # (it said to use --checkpoint_format=file, which cannot read a .dcp either)
     assert errors[0].endswith(f"python scripts/convert_checkpoint.py {folders[0]} {folders[0].parent}/converted.pt, "
                               f"then pass --resume= that file"), errors[0]

@@ -231,9 +231,10 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
     (tmp_path / "a file").touch()  # a cache that cannot be written (a read-only one, a full disk): was a traceback
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a file"))
     assert fails(["--init_from", hf_folder], capsys) == (
-        f"error: HellaSwag was downloaded but cannot be kept at {hellaswag.cache_path()} (Not a directory): set "
-        f"XDG_CACHE_HOME to a folder you can write, or save {hellaswag.URL} yourself and pass its path with "
-        f"--hellaswag_path=PATH (train.py) or --hellaswag=PATH (eval.py)")
+        f"error: the HellaSwag validation set is not at {hellaswag.cache_path()} and was downloaded but cannot be kept "
+        f"there (NotADirectoryError: [Errno 20] Not a directory: '{tmp_path / 'a file' / 'gpt-train'}'): set "
+        f"XDG_CACHE_HOME to a folder you can write, or point at your copy with --hellaswag=PATH (eval.py) or "
+        f"--hellaswag_path=PATH (train.py)")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     downloads = []
     monkeypatch.setattr(hellaswag.urllib.request, "urlopen", lambda *a, **k: downloads.append(a) or Response())

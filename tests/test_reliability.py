@@ -196,7 +196,7 @@ def test_a_full_disk_ends_the_run_with_no_space_left_and_earlier_checkpoints_usa
         assert code == 1 and "No space left on device" in message and "last.dcp holds step 5" in message, err
         assert checkpoint.read(out / "last.dcp")["step"] == 5 and no_temporaries(out)  # (the part written: gone)
         code, _, err = train_cli(capsys, char_data, out, max_iters=10, eval_interval=5, checkpoint_format="sharded")
-        assert code == 1 and "last.dcp holds step 5" in one_error(err) and no_temporaries(out), err  # not in the background
+        assert code == 1 and "last.dcp holds step 5" in one_error(err) and no_temporaries(out), err  # (not async)
 
 
 @pytest.mark.slow

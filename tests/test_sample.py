@@ -132,8 +132,8 @@ def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, m
     (lambda out: (out / "best.pt").rename(out / "ckpt.pt") and (out / "last.pt").unlink(),  # nanoGPT's
      "(nor a .dcp folder) (its ckpt.pt is nanoGPT's, which this repo does not read): train first"),
     (lambda out: [(out / f"{k}.pt").unlink(missing_ok=True) for k in ("best", "last", "previous")] and write(
-        out / "model.safetensors", b""),  # an export's folder given as a run's
-     "(nor a .dcp folder): it holds a Hugging Face model, which --init_from takes"),
+        out / "model.safetensors", b"") and write(out / "config.json", b"{}"),  # an export's folder given as a run's
+     "holds a Hugging Face model, not a training run: sample.py and eval.py take it as --init_from="),
     (lambda out: (older(out) / "meta.json").unlink(), "meta.json not found: copy the dataset's meta.json there"),
     (lambda out: (older(out) / "meta.json").unlink() or (out / "meta.json").mkdir(),
      "meta.json not found: copy the dataset's meta.json there"),
