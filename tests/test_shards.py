@@ -368,6 +368,26 @@ def test_a_tokenizing_worker_leaves_ctrl_c_to_the_main_process_and_reports_a_fai
         signal.signal(signal.SIGINT, previous)
 
 
+def test_sigterm_unwinds_only_where_a_handler_can_be_set():
+    """(the pool's SIGTERM handler: prepare() called from a thread raised "signal only works in main thread")"""
+    import signal
+    import threading
+
+    from data import streaming
+    before, seen = signal.getsignal(signal.SIGTERM), []
+    with streaming.sigterm_unwinds():
+        assert signal.getsignal(signal.SIGTERM) not in (before, signal.SIG_DFL)
+    assert signal.getsignal(signal.SIGTERM) == before
+
+    def in_a_thread():
+        with streaming.sigterm_unwinds():
+            seen.append(signal.getsignal(signal.SIGTERM))
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert seen == [before]
+
+
 # a meta.json whose shard list is well formed, but whose train shards hold one token more than train_tokens
 MISCOUNTED = {"format": 1, "vocab_size": 50257, "dtype": "uint16", "tokenizer": "gpt2", "train_tokens": 10,
               "val_tokens": 5, "shards": {"train": [{"file": "x_train_000001.bin", "tokens": 11}],
