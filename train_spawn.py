@@ -59,17 +59,11 @@ def main(argv=None):
 
 
 def run(nproc: int, args: list, errors: Path):
-    context, received = mp.spawn(worker, args=(nproc, args, str(errors)), nprocs=nproc, join=False), set()
-
-    def pass_on(signum, frame):
-        received.add(signum)
-        for p in context.processes:
-            if p.is_alive():
-                os.kill(p.pid, signum)
+    context = mp.spawn(worker, args=(nproc, args, str(errors)), nprocs=nproc, join=False)
     # Pass SIGTERM (a scheduler) and SIGINT (kill -INT) on, as torchrun does: each rank stops at a
     # step boundary and saves. (Ctrl-C in a terminal reaches the ranks themselves too.)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, pass_on)
+        signal.signal(sig, lambda signum, frame: [os.kill(p.pid, signum) for p in context.processes if p.is_alive()])
     try:
         while not context.join():
             pass
@@ -80,7 +74,7 @@ def run(nproc: int, args: list, errors: Path):
             print(line, file=sys.stderr, flush=True)
         if not isinstance(e, mp.ProcessExitedException):  # a rank raised what no error names: its traceback
             raise
-        if -e.exit_code in received:  # it got the signal outside training (starting, or done): as one process
+        if -e.exit_code in (signal.SIGTERM, signal.SIGINT):  # outside training (starting, or done): as one process
             sys.exit(128 - e.exit_code)
         # 1 and 2: the rank said why; 128 + SIGTERM/SIGINT: it stopped with a checkpoint
         if e.exit_code < 0:  # killed by a signal (SIGKILL: the out-of-memory killer, say): a failed run

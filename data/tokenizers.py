@@ -93,12 +93,12 @@ def gpt2_encoding(bpe_file=None, verbose: bool = True):
             print(f"tiktoken.get_encoding('gpt2') failed ({type(e).__name__}: {str(e)[:120]}); "
                   f"taking the vocabulary from the {WHISPER_PACKAGE} sdist")
             data = _gpt2_bpe_from_whisper()
-            how = f"{WHISPER_PACKAGE} sdist via pip download (cached in {cache})"
             try:
                 atomic_write_bytes(cache, data)
+                kept = f"cached in {cache}"
             except OSError as e:  # a read-only or full cache folder (a prepare's workers fetch it again, each)
-                how = f"{WHISPER_PACKAGE} sdist via pip download (not cached: {cache}: {e.strerror or e})"
-            enc = _gpt2_from_bpe(data)
+                kept = f"not cached: {cache}: {e.strerror or e}"
+            enc, how = _gpt2_from_bpe(data), f"{WHISPER_PACKAGE} sdist via pip download ({kept})"
     if enc.encode("hello world") != [31373, 995] or enc.n_vocab != GPT2_VOCAB_SIZE:
         raise RuntimeError(f"the GPT-2 encoding from {how} does not behave like GPT-2's")
     if verbose:
