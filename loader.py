@@ -12,6 +12,7 @@ passes). Memory: 8 bytes a window for the order; the tokens stay on disk until r
 
 import importlib
 import os
+import shlex
 from pathlib import Path
 from typing import Optional
 
@@ -150,8 +151,8 @@ def dataset_dir(cfg: Config) -> Path:
     return Path(cfg.data_dir) if cfg.data_dir else REPO / "data" / cfg.dataset
 
 
-def read_dataset(cfg: Config) -> dict:
-    """meta.json, checked against the token files and against block_size."""
+def read_dataset(cfg: Config, splits=("train", "val")) -> dict:
+    """meta.json, checked against the token files and against block_size (in `splits`: eval.py reads val's)."""
     data_dir = dataset_dir(cfg)
     try:
         meta = load_meta(data_dir)
@@ -161,7 +162,8 @@ def read_dataset(cfg: Config) -> dict:
     if cfg.prepare_input and (other := other_source(meta, cfg.prepare_input)):  # else it would go unused
         raise ConfigError(f"{data_dir} holds a dataset {other}: leave --prepare_input out to train on it as it "
                           f"is, or give the new text a --data_dir of its own (a new folder)")
-    for split, shards in split_shards(data_dir, meta).items():
+    for split in splits:
+        shards = split_shards(data_dir, meta)[split]
         needed = 2 * cfg.block_size if split == "train" else cfg.block_size + 1  # train: any offset
         longest = max(s.tokens for s in shards)  # a window never crosses a shard end
         if longest < needed:
@@ -194,9 +196,9 @@ class Dataset:
             raise ConfigError(f"no dataset in {self.dir} (meta.json missing), and dataset={cfg.dataset!r} names no "
                               f"data/NAME/prepare.py to prepare it: check --dataset and --data_dir")
         if not getattr(importlib.import_module(f"data.{cfg.dataset}.prepare"), "PREPARE_IN_TRAIN", True):
-            raise ConfigError(f"no dataset in {self.dir}: this corpus is too large to prepare at "
-                              f"start-up; run python data/{cfg.dataset}/prepare.py --out_dir {self.dir} "
-                              f"first (see docs/data.md)")
+            given = f" --input={shlex.quote(cfg.prepare_input)}" if cfg.prepare_input else ""  # (else: the download)
+            raise ConfigError(f"no dataset in {self.dir}: this corpus is too large to prepare at start-up; run "
+                              f"python data/{cfg.dataset}/prepare.py{given} --out_dir {self.dir} first (see docs/data.md)")
         here, given = os.path.realpath(self.dir), os.path.realpath(cfg.prepare_input or "/")  # (given: DIR/book.txt?)
         ours = {"input.txt", "lost+found", os.path.basename(given) * (os.path.dirname(given) == here)}
         own = here == os.path.realpath(script.parent)  # data/NAME, which holds its prepare.py

@@ -120,7 +120,10 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
 
 def _prepare_again(data_dir, when: str = "again", meta: dict = None) -> str:
     """The command that prepares data_dir's dataset (`meta`'s: from the same local input)."""
-    script = Path(__file__).parent / Path(data_dir).name / "prepare.py"  # data/NAME/prepare.py, if there
+    name = Path(data_dir).name  # data/NAME/prepare.py, if there and it makes meta's kind of tokens (of ours,
+    if isinstance(meta, dict) and (meta.get("tokenizer") == "char") != (name == "shakespeare_char"):
+        name = ""  # only shakespeare_char's makes characters: a folder named shakespeare may hold them too)
+    script = Path(__file__).parent / name / "prepare.py"
     if when == "first" and not script.is_file() and Path(data_dir).resolve().parent == script.parent.parent:
         return f"no data/{script.parent.name}/prepare.py makes it: check the dataset's name"
     command = f"python data/{script.parent.name}/prepare.py" if script.is_file() else "the dataset's prepare.py"
@@ -142,7 +145,7 @@ PROGRESS = ".progress.json"  # data/streaming.py's record of a preparation under
 def has_tokens(data_dir) -> bool:
     """Whether the folder holds a dataset to read (meta.json, or shards without one), or the start
     of one, or is no folder at all (which load_meta refuses: neither is to be prepared over)."""
-    return (Path(data_dir) / "meta.json").is_file() or has_shards(data_dir) or bool(not_a_folder(data_dir))
+    return (Path(data_dir) / "meta.json").exists() or has_shards(data_dir) or bool(not_a_folder(data_dir))
 
 
 def has_shards(data_dir) -> bool:
@@ -227,6 +230,8 @@ def load_meta(data_dir, fix: str = "") -> dict:
     if not_a_folder(data_dir):
         raise ValueError(f"data_dir {data_dir} is not a folder (a file, a link to nothing, or under a file): "
                          f"give the dataset's folder")
+    if path.exists() and not path.is_file():  # (a folder: it is no dataset's, nor the loose files' of nanoGPT)
+        raise ValueError(f"{path} is not a file: move it out of the way, then {again}")
     if not path.is_file():
         if (Path(data_dir) / PROGRESS).is_file():  # its shards are not the whole corpus
             raise ValueError(f"{data_dir} holds an unfinished preparation ({PROGRESS} and no meta.json): run the "

@@ -237,6 +237,8 @@ CASES = [
      r"data holds an unfinished preparation \(\.progress\.json and no meta\.json\): run the dataset's prepare\.py"),
     ("meta.json not JSON", [], lambda d, m: (d / "meta.json").write_text("{\"vocab_size\": "),
      r"meta\.json is not valid JSON .*: prepare the dataset again"),
+    ("meta.json a folder", [], lambda d, m: (d / "meta.json").unlink() or (d / "meta.json").mkdir(),  # (was: "no
+     r"meta\.json is not a file: move it out of the way, then prepare the dataset again"),      # meta.json")
     ("meta.json of another format", [], lambda d, m: rewrite_meta(d, format=2),
      r"meta\.json has format 2; this train\.py reads format 1: prepare the dataset again"),
     ("meta.json without a format", [], lambda d, m: rewrite_meta(d, format=None),

@@ -172,6 +172,14 @@ def test_load_meta_names_the_missing_dataset_and_how_to_prepare_it(tmp_path, mon
         load_meta(tmp_path / "nosuch")
     with pytest.raises(FileNotFoundError, match=r"not found: no data/nosuch/prepare\.py makes it: check the dataset"):
         load_meta(REPO / "data" / "nosuch")  # eval.py --dataset=nosuch
+    # characters in a folder named shakespeare: its prepare.py would write GPT-2 tokens there (it was named)
+    (tmp_path / "text.txt").write_text("to be or not to be\n" * 40)
+    meta = char_prepare.prepare(out_dir=tmp_path / "shakespeare", input_path=tmp_path / "text.txt")
+    with open(tmp_path / "shakespeare" / "train.bin", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ValueError, match=r"uint16 tokens.*prepare the dataset again \(the dataset's prepare\.py "
+                                         r"--input .*text\.txt --out_dir"):
+        check_token_files(tmp_path / "shakespeare", meta)
     import data.dataset
     monkeypatch.setattr(data.dataset, "__file__", str(tmp_path / "dataset.py"))  # tmp_path as the repo's data/
     (tmp_path / "mine").mkdir()

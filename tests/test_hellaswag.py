@@ -335,6 +335,12 @@ def test_eval_py_says_a_val_split_is_too_short_for_the_model_without_train_py_fl
     (short / "meta.json").write_text(json.dumps({**json.loads((short / "meta.json").read_text()), "val_tokens": 10}))
     line = fails(["--out_dir", straight, "--hellaswag", small_file, "--data_dir", short], capsys)
     assert line.endswith("(10 tokens; it needs 17): use more data, or a model of a smaller block_size"), line
+    # ... but a train split that short is no concern of an evaluation, which reads val alone (it was refused)
+    short = Path(shutil.copytree(bpe_data, tmp_path / "short_train"))
+    (short / "train.bin").write_bytes((short / "train.bin").read_bytes()[:2 * 10])
+    (short / "meta.json").write_text(json.dumps({**json.loads((short / "meta.json").read_text()), "train_tokens": 10}))
+    out = run_eval(["--out_dir", straight, "--no_hellaswag", "--data_dir", short, "--val_windows=2"], capsys)
+    assert out[-1].startswith(f"{short} val loss "), out
     line = fails(["--out_dir", straight, "--hellaswag", small_file, "--data_dir", tmp_path / ("x" * 300)], capsys)
     assert line.startswith("error: data_dir is not a path a file system takes"), line  # as train.py says it
 

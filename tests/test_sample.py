@@ -136,7 +136,7 @@ def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, m
      "holds a Hugging Face model, not a training run: sample.py and eval.py take it as --init_from="),
     (lambda out: (older(out) / "meta.json").unlink(), "meta.json not found: copy the dataset's meta.json there"),
     (lambda out: (older(out) / "meta.json").unlink() or (out / "meta.json").mkdir(),
-     "meta.json not found: copy the dataset's meta.json there"),
+     "meta.json is not a file: move it out of the way, then copy the dataset's meta.json there"),
     (lambda out: (older(out) / "meta.json").write_text("[1, 2"), "meta.json is not valid JSON"),
     (lambda out: (older(out) / "meta.json").write_text("[" * 100_000),
      "meta.json is not valid JSON (maximum recursion"),

@@ -661,6 +661,11 @@ def test_a_large_corpus_missing_is_to_be_prepared_first_not_downloaded_at_start_
         f"error: no dataset in {tmp_path / 'data'}: this corpus is too large to prepare at start-up; run python "
         f"data/{corpus}/prepare.py --out_dir {tmp_path / 'data'} first (see docs/data.md)\n")
     assert not (tmp_path / "data").exists() and not (tmp_path / "out").exists()
+    # with --prepare_input the command prepares that file (it left --input out: the whole download)
+    (tmp_path / "my text.txt").write_text("hello")
+    with pytest.raises(SystemExit):
+        train.cli(tiny_args(tmp_path / "data", tmp_path / "out", dataset=corpus, prepare_input=tmp_path / "my text.txt"))
+    assert f"prepare.py --input='{tmp_path / 'my text.txt'}' --out_dir" in capsys.readouterr().err
 
 
 def test_a_data_dir_under_a_file_is_said_so_not_prepared(tmp_path, capsys):
