@@ -198,7 +198,7 @@ def load_file(path: str) -> dict:
 
 def near_gpt2_name(name: str, known=GPT2_NAMES) -> str:
     """": did you mean 'gpt2'?" for a name near one of `known` (gpt2-small, the hub's openai-community/gpt2), or ""."""
-    bare = name.removeprefix("openai-community/")
+    bare = name.lower().removeprefix("openai-community/")  # (gpt2-XL: it was 'gpt2')
     close = [] if "/" in bare else difflib.get_close_matches(bare.replace("-small", ""), known, n=1)  # (not -xl)
     return f": did you mean '{close[0]}'?" if close else ""
 

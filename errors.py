@@ -59,6 +59,8 @@ def reported(debug: bool = False, also: tuple = ()):
     """Every entry point runs inside this: a ConfigError (or an exception of a class in `also`)
     exits 2, a RunError 1, Ctrl-C 130, each as one line starting with "error:"; the traceback
     only if debug. (train.py itself turns Ctrl-C into a stop with a checkpoint once it trains.)"""
+    if hasattr(sys.stdout, "reconfigure"):  # a character stdout's encoding lacks: a \x.. escape, not a traceback
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         yield
     except BrokenPipeError:  # stdout's reader went away (`| head`): end as a pipe's writer ends, quietly

@@ -16,6 +16,10 @@ docs/eval.md says what the numbers mean and what GPT-2 scores. Every bad input e
 line on stderr and exit status 2.
 """
 
+import hashlib
+
+import torch
+
 import pretrained
 from collectives import agree_or_raise, collective_failures_explained, differs_from_rank0, process_group
 from config import Config, validate
@@ -89,6 +93,13 @@ def main(argv=None):
         # a rank started with another --limit (say) would score other examples: every rank stops
         per_host = ("out_dir", "init_from", "hellaswag", "data_dir", "device", "dist_timeout")
         agree_or_raise(differs_from_rank0(vars(args), world, per_host) or error, world)
+        # ... and so would a rank whose own copy (of a per-host path) is another model or val split: their
+        # scores would be summed into one (a digest of the model's shape and each weight's first and last value)
+        ends = torch.cat([p.detach().reshape(-1)[[0, -1]].float() for p in model.parameters()]).cpu().numpy()
+        digest = hashlib.sha256(repr(vars(model.config)).encode() + ends.tobytes()).hexdigest()[:16]
+        loaded = {"model": digest, "val_tokens": val and int(val[0].lengths.sum())}
+        agree_or_raise(differs_from_rank0(loaded, world, what="model and val split (each host's --out_dir or "
+                                          "--init_from, and --data_dir)"), world)
         if val is not None:
             loss = val_loss(model, *val, model.config.block_size, args.batch_size, world, autocast(world), False)
         if examples is not None:

@@ -197,8 +197,8 @@ class Dataset:
                               f"data/NAME/prepare.py to prepare it: check --dataset and --data_dir")
         if not getattr(importlib.import_module(f"data.{cfg.dataset}.prepare"), "PREPARE_IN_TRAIN", True):
             given = f" --input={shlex.quote(cfg.prepare_input)}" if cfg.prepare_input else ""  # (else: the download)
-            raise ConfigError(f"no dataset in {self.dir}: this corpus is too large to prepare at start-up; run "
-                              f"python data/{cfg.dataset}/prepare.py{given} --out_dir {self.dir} first (see docs/data.md)")
+            raise ConfigError(f"no dataset in {self.dir}: this corpus is too large to prepare at start-up; run python "
+                              f"data/{cfg.dataset}/prepare.py{given} --out_dir {self.dir} first (see docs/data.md)")
         here, given = os.path.realpath(self.dir), os.path.realpath(cfg.prepare_input or "/")  # (given: DIR/book.txt?)
         ours = {"input.txt", "lost+found", os.path.basename(given) * (os.path.dirname(given) == here)}
         own = here == os.path.realpath(script.parent)  # data/NAME, which holds its prepare.py

@@ -58,6 +58,8 @@ def read_prompt(start: str) -> str:
             start = path.read_text(encoding="utf-8-sig")  # (a byte-order mark is no character of the prompt)
         except UnicodeDecodeError as e:
             raise ConfigError(f"prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except OSError as e:  # (a terminal none is attached to, /proc/self/mem)
+            raise ConfigError(f"cannot read prompt file {path}: {e.strerror or e}") from None
     elif any("\udc80" <= c <= "\udcff" for c in start):  # how Python keeps argv's bad bytes
         raise ConfigError("--start is not UTF-8 text: set the terminal to UTF-8, or put the prompt in a "
                           "UTF-8 file and give --start=FILE:path")
@@ -114,8 +116,6 @@ def main(argv=None):
         raise ConfigError(f"{e}{default}") from None
     print(f"# {name}, seed {args.seed}", file=sys.stderr)
 
-    if hasattr(sys.stdout, "reconfigure"):  # a character the terminal's encoding lacks: \x.. escapes, not a traceback
-        sys.stdout.reconfigure(errors="backslashreplace")
     generator = torch.Generator(device).manual_seed(args.seed)
     for n in batches(args.num_samples, len(prompt), args.max_new_tokens, model.config, device):
         idx = torch.tensor([prompt] * n, dtype=torch.long, device=device)  # (n, T)

@@ -280,6 +280,9 @@ def check_token_files(data_dir, meta: dict, n_windows: int = 16, window: int = 4
     for split, shards in split_shards(data_dir, meta).items():
         for shard in shards:
             path = shard.path
+            if not path.is_file() and (Path(data_dir) / "run.lock").exists():  # (its meta.json: the dataset's copy)
+                raise FileNotFoundError(f"{data_dir} is a training run's out_dir, not a dataset: give the dataset's "
+                                        f"folder")
             if not path.is_file():
                 raise FileNotFoundError(f"{path} is {'no file' if os.path.lexists(path) else 'missing'}, though "
                                         f"meta.json is there: {again}")

@@ -53,6 +53,9 @@ def test_unknown_name_suggests_the_closest_valid_name(tmp_path):
             resolve([arg])
     with pytest.raises(ConfigError, match="did you mean 'gpt2'\\?$"):  # the 124M model (difflib: gpt2-xl)
         resolve(["--init_from=gpt2-small"])
+    for given, near in (("gpt2-XL", "gpt2-xl"), ("GPT2", "gpt2")):  # (once 'gpt2', and no hint)
+        with pytest.raises(ConfigError, match=f"did you mean '{near}'\\?$"):
+            resolve([f"--init_from={given}"])
 
 
 @pytest.mark.parametrize("arg, expected", [

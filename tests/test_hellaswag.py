@@ -343,6 +343,9 @@ def test_eval_py_says_a_val_split_is_too_short_for_the_model_without_train_py_fl
     assert out[-1].startswith(f"{short} val loss "), out
     line = fails(["--out_dir", straight, "--hellaswag", small_file, "--data_dir", tmp_path / ("x" * 300)], capsys)
     assert line.startswith("error: data_dir is not a path a file system takes"), line  # as train.py says it
+    line = fails(["--out_dir", straight, "--no_hellaswag", "--data_dir", straight], capsys)  # a run's out_dir (it
+    assert line == f"error: {straight} is a training run's out_dir, not a dataset: give the dataset's folder"  # said:
+    # prepare the dataset again there)
 
 
 def test_a_character_level_model_or_dataset_is_refused(char_data, hf_folder, small_file, tmp_path, capsys):
@@ -438,6 +441,31 @@ def test_eval_py_ranks_started_with_different_arguments_all_stop(hf_folder, hs_f
     assert re.fullmatch(re.escape("rank 1 was started with limit=10 (rank 0: 5): give every rank the same config")
                         if differ == "limit" else r"rank 1 was started with examples='\w+' \(rank 0: '\w+'\): give "
                         r"every rank the same HellaSwag file \(each host's --hellaswag\)", lines[0]), lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("differ", ["model", "val split"])
+def test_eval_py_ranks_that_loaded_another_model_or_val_split_all_stop(trained, char_data, tmp_path, differ):
+    """Each host reads its own --out_dir and --data_dir: a rank that found another run's model there, or
+    another val split, would score into the same sums (they once printed a loss or score neither gives)."""
+    other = tmp_path / "other"
+    if differ == "model":
+        train.main(resolve(tiny_args(char_data, other, max_iters=1)))
+    else:
+        other = Path(shutil.copytree(char_data, other))
+        (other / "val.bin").write_bytes((other / "val.bin").read_bytes()[:2000])
+        meta = json.loads((other / "meta.json").read_text())
+        (other / "meta.json").write_text(json.dumps({**meta, "val_tokens": 1000}))
+    out_dirs, data_dirs = ([trained, other], [char_data] * 2) if differ == "model" else \
+        ([trained] * 2, [char_data, other])
+    lines = ranks_say(_eval_rank, 2, tmp_path, [[f"--out_dir={o}", f"--data_dir={d}", "--no_hellaswag", "--device=cpu",
+                                                 "--val_windows=4"] for o, d in zip(out_dirs, data_dirs)])
+    assert lines[0] == lines[1]
+    said = lines[0].split(": give")[0]
+    assert re.fullmatch(r"rank 1 was started with model='\w+' \(rank 0: '\w+'\)" if differ == "model" else
+                        r"rank 1 was started with val_tokens=1000 \(rank 0: 6002\)", said), lines[0]
+    assert lines[0].endswith(": give every rank the same model and val split (each host's --out_dir or --init_from, "
+                             "and --data_dir)")
 
 
 def _load_rank(rank, world, paths):

@@ -112,6 +112,7 @@ def older(out):
     (["--start=FILE:/nonexistent/prompt.txt"], "prompt file /nonexistent/prompt.txt does not exist"),
     ([lambda tmp: f"--start=FILE:{tmp}"], "is a folder"),
     (["--start=FILE:"], "'FILE:' names no file: give --start=FILE:PATH (a text file)"),  # (was "prompt file .")
+    (["--start=FILE:/proc/self/mem"], "cannot read prompt file /proc/self/mem: Input/output error"),  # (a traceback)
     (["--temperature=abc"], "argument --temperature: invalid float value: 'abc' (see sample.py --help)"),
     (["--start="], "the prompt is empty"),
     ([lambda tmp: f"--start=FILE:{write(tmp / 'empty.txt', b'')}"], "the prompt is empty"),
@@ -240,9 +241,11 @@ def test_a_prompt_from_a_pipe_and_a_default_prompt_the_vocabulary_lacks(trained,
     assert proc.returncode == 2 and proc.stderr == "error: GPT-2 BPE file /tmp (from $GPT2_TIKTOKEN_FILE) is a folder\n"
 
 
-def test_text_the_terminal_cannot_encode_is_escaped_not_a_traceback(trained, sample, monkeypatch):
+def test_text_the_terminal_cannot_encode_is_escaped_not_a_traceback(trained, sample, script, char_data, tmp_path,
+                                                                     monkeypatch):
     """PYTHONIOENCODING=ascii (or a C locale) and a sample with a character outside it: sample.py
-    printed a UnicodeEncodeError's traceback after generating; now the character is written \\x.. escaped."""
+    printed a UnicodeEncodeError's traceback after generating; now the character is written \\x.. escaped.
+    So does every tool (eval.py printed its traceback after the whole evaluation: a --data_dir's name)."""
     import io
 
     import data.tokenizers
@@ -255,6 +258,11 @@ def test_text_the_terminal_cannot_encode_is_escaped_not_a_traceback(trained, sam
     ascii_out.flush()
     assert proc.returncode == 0, proc.stderr
     assert ascii_out.buffer.getvalue().startswith(b"caf\\xe9 the")
+    named = tmp_path / "caf\u00e9"
+    named.symlink_to(char_data)
+    proc = script("eval.py", f"--out_dir={trained}", f"--data_dir={named}", "--no_hellaswag", "--val_windows=2")
+    ascii_out.flush()
+    assert proc.returncode == 0 and b"caf\\xe9 val loss " in ascii_out.buffer.getvalue(), proc.stderr
 
 
 @pytest.mark.slow  # a process of its own: its stdout is the full device

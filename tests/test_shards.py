@@ -664,7 +664,8 @@ def test_a_large_corpus_missing_is_to_be_prepared_first_not_downloaded_at_start_
     # with --prepare_input the command prepares that file (it left --input out: the whole download)
     (tmp_path / "my text.txt").write_text("hello")
     with pytest.raises(SystemExit):
-        train.cli(tiny_args(tmp_path / "data", tmp_path / "out", dataset=corpus, prepare_input=tmp_path / "my text.txt"))
+        train.cli(tiny_args(tmp_path / "data", tmp_path / "out", dataset=corpus,
+                            prepare_input=tmp_path / "my text.txt"))
     assert f"prepare.py --input='{tmp_path / 'my text.txt'}' --out_dir" in capsys.readouterr().err
 
 
