@@ -184,9 +184,12 @@ class CollectiveFailed(RunError):
 
 
 def _kept(saved) -> str:
-    """saved: (file name, step) of the newest checkpoint this run wrote, or None."""
-    return (f"{saved[0]} holds step {saved[1]}, the last good one" if saved is not None
-            else "no checkpoint of this run was written yet")
+    """saved: train.Run.saved. resume=auto continues from what this run wrote, not always from what it
+    resumed: a rollback to previous.pt (last.pt is newer), a checkpoint of another folder."""
+    if saved is None:
+        return "no checkpoint of this run was written yet"
+    how = "resume=auto" if saved[2] else f"--resume={saved[0]}"
+    return f"{saved[0]} holds step {saved[1]}, the last good one ({how} continues from it)"
 
 
 class Diverged(RunError):
@@ -202,8 +205,7 @@ class CheckpointNotWritten(RunError):
         full = "No space left" in failure or "Disk quota" in failure  # (a message: maybe another rank's)
         super().__init__(
             f"could not write a checkpoint at step {step} ({failure}); {_kept(saved)}: "
-            f"{'free disk space' if full else 'make out_dir writable'} or choose another out_dir, then "
-            f"relaunch with resume=auto.")
+            f"{'free disk space' if full else 'make out_dir writable'} or choose another out_dir, then relaunch.")
 
 
 class LogNotWritten(RunError):

@@ -137,8 +137,8 @@ class Logger:
                 atomic_write_bytes(path, text.encode())
         except OSError as e:
             fix = "free disk space" if e.errno in DISK_FULL else "make it writable"
-            self.failure = f"could not write {path} ({e.strerror or e}): {fix}, then relaunch with resume=auto " \
-                           f"(a line cut short is dropped)"
+            self.failure = f"could not write {path} ({e.strerror or e}): {fix}, then relaunch (a line cut short is " \
+                           f"dropped)"
 
     def _lost(self) -> bool:
         """Whether out_dir's run.lock no longer names this process: the folder was deleted, moved or

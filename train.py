@@ -120,7 +120,7 @@ class Run:
     best_val_loss: float = math.inf
     val_loss: Optional[float] = None
     resumed_from: Optional[str] = None
-    saved: Optional[tuple] = None  # (file name, step) of the newest checkpoint known written, for messages
+    saved: Optional[tuple] = None  # for messages: (name, step, True) this run wrote, or (path, step, False) resumed
     pending: Optional[sharded.Background] = None  # async_checkpoint: the save being written
     hellaswag_step: int = -1  # the step HellaSwag was last evaluated at: a resume neither repeats nor skips one
     history: Optional[str] = None  # rank 0's: the resumed checkpoint's log, which metrics.jsonl starts with
@@ -151,7 +151,7 @@ class Run:
         if not parallel.all_finite(self.raw_model, self.world):  # (save() refuses them: not written by a run)
             raise UnreadableCheckpoint(f"cannot read checkpoint {ckpt['path']}: its weights hold NaN or inf")
         self.step, self.best_val_loss, self.val_loss = ckpt["step"], ckpt["best_val_loss"], ckpt.get("val_loss")
-        self.resumed_from, self.saved = ckpt["path"], (Path(ckpt["path"]).name, ckpt["step"])
+        self.resumed_from, self.saved = ckpt["path"], (str(ckpt["path"]), ckpt["step"], False)
         if ckpt["scaler"] or not self.scaler.is_enabled():  # a disabled scaler ignores a saved one
             self.scaler.load_state_dict(ckpt["scaler"])
         elif self.world.is_master:  # the dtype changed to float16 on this resume
@@ -170,7 +170,7 @@ class Run:
         # resumed from another of out_dir's checkpoints than this last, nothing saved since: a damaged last
         # (or older than the other format's) must not become previous; a readable one a rollback replaces does
         resumed, real = Path(self.resumed_from or last), os.path.realpath  # (Path.resolve raises on a link loop)
-        rotate = real(resumed) == real(last) or real(resumed.parent) != real(out_dir) or self.saved[0] != resumed.name \
+        rotate = real(resumed) == real(last) or real(resumed.parent) != real(out_dir) or self.saved[2] \
             or self.cfg.resume != "auto" and checkpoint.readable(last)
         try:
             if self.cfg.checkpoint_format == "sharded":  # every rank writes its own part
@@ -186,7 +186,7 @@ class Run:
         if any_rank(failure is not None, self.world):
             raise CheckpointNotWritten(self.step, first_error(failure, self.world), self.saved)
         if self.pending is None:
-            self.saved = (last.name, self.step)
+            self.saved = (last.name, self.step, True)
 
     def wait_for_save(self):
         """Every rank: wait for the background save in flight, if any; all stop if it failed."""
@@ -195,7 +195,7 @@ class Run:
             failure = pending.failure(wait=True)
             if any_rank(failure is not None, self.world):
                 raise CheckpointNotWritten(pending.step, first_error(failure, self.world), self.saved)
-            self.saved = ("last.dcp", pending.step)
+            self.saved = ("last.dcp", pending.step, True)
 
     def close(self):
         """At the end, failed or not, a background save finishes (and may commit): else its part is unwritten."""

@@ -50,7 +50,8 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoin
 
     monkeypatch.setattr(GPT, "configure_optimizers", poisoned)
     with pytest.raises(RunError, match=rf"{says}\..*learning_rate=0.003.*"
-                                              r"last\.pt holds step 4, the last good one"):
+                                              r"last\.pt holds step 4, the last good one \(resume=auto continues "
+                                              r"from it\)\.$"):
         train_here(char_data, tmp_path, max_iters=20, eval_interval=4)
     ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
     assert ckpt["step"] == 4 and all(torch.isfinite(w).all() for w in ckpt["model"].values())
@@ -274,10 +275,16 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temporar
     assert not (out / "previous.pt").samefile(out / "last.pt")
     assert not list(out.glob(".*.tmp"))
     # the same failure inside a run: a message, and the run's last good checkpoint stays
-    with pytest.raises(RunError, match="could not write a checkpoint at step 12.*No space left.*free disk space or "
-                                       "choose another out_dir, then relaunch with resume=auto"):
+    with pytest.raises(RunError, match=rf"could not write a checkpoint at step 12.*No space left.*; {out}/last.pt "
+                                       rf"holds step 10, the last good one \(--resume={out}/last.pt continues from "
+                                       r"it\): free disk space or choose another out_dir, then relaunch\.$"):
         train_here(data_dir_of(out), out, max_iters=12, eval_interval=12, resume="auto")
     assert (out / "last.pt").read_bytes() == before
+    # resumed from a path resume=auto would not pick (a rollback; another folder's): the line names it (it said
+    # "previous.pt holds step ...: relaunch with resume=auto", which went on from last.pt, or from scratch)
+    with pytest.raises(RunError, match=rf"; {out}/previous.pt holds step \d+, the last good one \(--resume={out}/"
+                                       r"previous.pt continues from it\)"):
+        train_here(data_dir_of(out), out, max_iters=12, eval_interval=12, resume=out / "previous.pt")
     assert not list(out.glob(".*.tmp"))
     monkeypatch.setattr(torch, "save", raising(PermissionError(13, "Permission denied")))  # (chattr +i)
     with pytest.raises(RunError, match=r"at step 12 \(\[Errno 13\] Permission denied\).*: make out_dir writable or "):
