@@ -37,7 +37,8 @@ import torch.distributed as dist
 from collectives import any_rank, process_group
 from config import CHOICES, REPO, Config, resolve
 from data.dataset import GPT2_META, GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
-from errors import ConfigError, RunError, reported
+from data.files import atomic_write, atomic_write_bytes, not_a_folder
+from errors import ConfigError, RunError, reported, wait_passing_signals, write_failure
 from loader import Dataset
 from model import GPTConfig
 from parallel import memory_problem
@@ -215,7 +216,7 @@ def markdown(rows: list, info: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list, path: Path, title: str):
+def plot(rows: list, path, info: dict):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -232,9 +233,10 @@ def plot(rows: list, path: Path, title: str):
         ax.set(xlabel="processes", ylabel=ylabel, xticks=nprocs, ylim=(0, None))  # (efficiency may pass 100%)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(f"{info['device']}, {info['dtype']}, global batch {rows[0]['global_batch_size']} x "
+                 f"{rows[0]['raw']['config']['block_size']} tokens", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -243,8 +245,7 @@ def parse_list(name: str, text: str, parse, allowed=None, minimum: int = 1, one:
         values = [parse(v) for v in ([text] if one else text.split(","))]
     except ValueError:
         raise ConfigError(f"--{name}={text}: give a number" + ("" if one else ", or a comma-separated list")) from None
-    bad = [v for v in values if (allowed is not None and v not in allowed) or (parse is int and v < minimum)]
-    if bad:
+    if bad := [v for v in values if (allowed is not None and v not in allowed) or (parse is int and v < minimum)]:
         raise ConfigError(f"--{name}={text}: {bad} not allowed" +
                           (f" (choose from {', '.join(allowed)})" if allowed else f" (at least {minimum})"))
     if len(set(values)) < len(values):  # the report would hold the same row twice
@@ -290,8 +291,7 @@ def main(argv=None):
         for n in nprocs:  # as rank 0 of n processes will see it: the global batch and fsdp_shard_size must split
             if problem := memory_problem(shape, cfg, setup(cfg, claim=False, world=World(size=n, local_size=n))):
                 raise ConfigError(problem)
-    report = Path(opts["report"])
-    if not opts["report"] or report.exists() and not report.is_dir():  # (empty: an unset shell variable)
+    if not opts["report"] or not_a_folder(report := Path(opts["report"])):  # (empty: an unset shell variable)
         raise ConfigError(f"--report={opts['report']} is no folder: give one for bench.json, bench.md and bench.png")
     report.mkdir(parents=True, exist_ok=True)
     rows = measure(strategies, nprocs, cfg_args, steps, warmup, report, flags["--profile"])
@@ -308,23 +308,22 @@ def measure(strategies: list, nprocs: list, cfg_args: list, steps: int, warmup: 
     """One torchrun of bench.py --worker per strategy and process count; their summaries."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for strategy in strategies:
-            for n in nprocs:
-                if n == 1 and (same := next((r for r in rows if r["strategy"] == "ddp" and r["nproc"] == 1), None)):
-                    rows.append({**same, "strategy": strategy, "measured_as": "ddp"})  # 1 process: fsdp is ddp
-                    continue
-                result = Path(tmp) / f"{strategy}-{n}.json"
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                       str(REPO / "bench.py"), "--worker", f"--result={result}", f"--steps={steps}",
-                       f"--warmup={warmup}", f"--report={report}", *cfg_args, f"--strategy={strategy}",
-                       *[f"--synthetic_dir={tmp}"] * synthetic(cfg_args), *["--profile"] * profile,
-                       *["--debug"] * ("--debug" in sys.argv)]  # (the workers' tracebacks, too)
-                print(f"--- {strategy}, {n} process{'es' if n > 1 else ''}", flush=True)
-                proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # here: relative paths hold
-                if proc.returncode:
-                    raise RunError(f"the {strategy} run on {n} process{'es' * (n > 1)} failed "
-                                   f"(exit {proc.returncode}): see its output above")
-                rows.append(summarise(strategy, n, json.loads(result.read_text())))
+        for strategy, n in ((s, n) for s in strategies for n in nprocs):
+            if n == 1 and (same := next((r for r in rows if r["strategy"] == "ddp" and r["nproc"] == 1), None)):
+                rows.append({**same, "strategy": strategy, "measured_as": "ddp"})  # 1 process: fsdp is ddp
+                continue
+            result = Path(tmp) / f"{strategy}-{n}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                   str(REPO / "bench.py"), "--worker", f"--result={result}", f"--steps={steps}",
+                   f"--warmup={warmup}", f"--report={report}", *cfg_args, f"--strategy={strategy}",
+                   *[f"--synthetic_dir={tmp}"] * synthetic(cfg_args), *["--profile"] * profile,
+                   *["--debug"] * ("--debug" in sys.argv)]  # (the workers' tracebacks, too)
+            print(f"--- {strategy}, {n} process{'es' if n > 1 else ''}", flush=True)
+            status = wait_passing_signals(subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+            if status:  # (cwd: here, so relative paths hold)
+                raise RunError(f"the {strategy} run on {n} process{'es' * (n > 1)} failed "
+                               f"(exit {status}): see its output above")
+            rows.append(summarise(strategy, n, json.loads(result.read_text())))
     add_scaling(rows)
     return rows
 
@@ -334,13 +333,16 @@ def write_report(rows: list, report: Path, steps: int, warmup: int, args: list):
     info = dict(torch=torch.__version__, host=socket.gethostname(), steps=steps, warmup=warmup, cpus=os.cpu_count(),
                 **{k: first[k] for k in ("device", "data", "vocab_size", "n_params", "dtype", "compile", "memory_kind")},
                 command=" ".join(["python", "bench.py", *args]))
-    (report / "bench.json").write_text(json.dumps({"info": info, "config": first["config"],
-                                                   "runs": rows}, indent=1) + "\n")
-    table = markdown(rows, info)
-    (report / "bench.md").write_text(f"`{info['command']}`\n\n{table}")
-    plot(rows, report / "bench.png", f"{info['device']}, {info['dtype']}, global batch "
-         f"{rows[0]['global_batch_size']} x {first['config']['block_size']} tokens")
-    print(table + f"report: {report}/bench.json, bench.md, bench.png", flush=True)
+    table, report_json = markdown(rows, info), dict(info=info, config=first["config"], runs=rows)
+    print(table, flush=True)  # first: a report that cannot be written loses no figure
+    try:  # each file whole or not at all (a full disk once left an empty bench.json in place of the last)
+        atomic_write_bytes(report / "bench.json", (json.dumps(report_json, indent=1) + "\n").encode())
+        atomic_write_bytes(report / "bench.md", f"`{info['command']}`\n\n{table}".encode())
+        atomic_write(report / "bench.png", lambda f: plot(rows, f, info))
+    except OSError as e:
+        raise RunError(f"could not write the report in {report} ({write_failure(e)}): free disk space or give "
+                       f"another --report (the table above holds its figures)") from None
+    print(f"report: {report}/bench.json, bench.md, bench.png", flush=True)
 
 
 if __name__ == "__main__":

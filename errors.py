@@ -96,6 +96,26 @@ def reported(debug: bool = False, also: tuple = ()):
         sys.exit(1)
 
 
+def wait_passing_signals(child) -> int:
+    """child's (a Popen's) exit status. SIGTERM and SIGINT (kill -INT) sent here go on to it (torchrun ends its
+    workers then; a tool that ended alone left them running), and this process ends as the signal ends a tool."""
+    received = []
+
+    def pass_on(signum, frame):
+        received.append(signum)
+        child.send_signal(signum)
+    previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        status = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        say(f"error: interrupted ({'Ctrl-C' if received[0] == signal.SIGINT else 'SIGTERM'})")
+        sys.exit(128 + received[0])
+    return status
+
+
 def _stdout_gone():
     """Point stdout at /dev/null: the exit flushes it once more, which would fail again."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -13,6 +13,7 @@ the page cache and can drop), and batches per second of `--batch_size` windows.
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -111,8 +112,10 @@ def main():
                                          capture_output=True, text=True,
                                          env={**os.environ, "OMP_NUM_THREADS": "1"})
                     if out.returncode:  # e.g. the window order of a huge dataset does not fit in memory
-                        raise RunError(f"measuring {size:,} bytes in {shards} shard(s) failed: "
-                                       f"{(out.stderr.strip().splitlines() or ['no message'])[-1]}")
+                        said = out.stderr.strip().splitlines() or [  # (killed: it says nothing)
+                            f"killed by {signal.Signals(-out.returncode).name} (out of memory? a full TMPDIR?)"
+                            if out.returncode < 0 else f"exit status {out.returncode}"]
+                        raise RunError(f"measuring {size:,} bytes in {shards} shard(s) failed: {said[-1]}")
                     runs.append(json.loads(out.stdout))
             r = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
             layout = "one train.bin" if shards == 1 else f"{shards} shards"

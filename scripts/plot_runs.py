@@ -116,7 +116,7 @@ def main(argv=None):
         raise ConfigError(f"--labels has {len(labels)} name{'s' * (len(labels) > 1)} for {len(args.out_dirs)} folders")
     if len(set(labels)) < len(labels):
         raise ConfigError(f"--labels={args.labels} repeats a name: give each run its own")
-    names = [Path(folder).name for folder in args.out_dirs]
+    names = [Path(os.path.realpath(folder)).name for folder in args.out_dirs]  # (".": the folder's own name)
     if len(set(names)) < len(names):  # exp1/out, exp2/out: the paths tell them apart
         names = [os.path.realpath(folder) for folder in args.out_dirs]
     if len(set(names)) < len(names):
@@ -135,5 +135,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    with reported(also=(OSError,)):  # OSError: the picture cannot be written
+    with reported():  # (the picture that cannot be written is a ConfigError, a full stdout one line)
         main()

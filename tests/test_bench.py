@@ -97,6 +97,7 @@ def test_bench_bad_arguments_are_one_line(script, tmp_path):
     for args, needle in ((["--nproc=0"], "at least 1"), (["--strategies=zero3"], "choose from ddp, fsdp"),
                          (["--report="], "--report= is no folder: give one for bench.json"),
                          ([f"--report={tmp_path / 'a_file'}"], "a_file is no folder"),
+                         ([f"--report={tmp_path / 'a_file' / 'sub'}"], "sub is no folder"),  # ([Errno 20] Not a ...)
                          (["--nproc=3"], "x world size (3) = 48: try --global_batch_size=48"),
                          (["--nproc=1,1"], "--nproc=1,1 repeats a value"),
                          (["--steps=5,10"], "--steps=5,10: give a number"), (["--warmup=1,2"], "--warmup=1,2: give"),
@@ -131,7 +132,7 @@ def test_plot_runs_overlays_two_runs(tmp_path, char_data, script):
     assert_png(out)
 
 
-def test_plot_runs_tells_same_named_folders_apart_and_skips_unreadable_lines(tmp_path, script):
+def test_plot_runs_tells_same_named_folders_apart_and_skips_unreadable_lines(tmp_path, script, monkeypatch):
     good = '{"step": 1, "loss": 3.0, "tokens_seen": 128}\n'
     edited = '{"step": 3, "loss": "high", "tokens_seen": "many", "val_loss": [2.0]}\n'  # left out, not plotted
     for exp, bad in (("exp1", edited + '[1, 2]\n{"step": null, "loss": 1.0}\n{"step": 1e999}\n' + "[" * 100_000 + "\n"),
@@ -164,6 +165,9 @@ def test_plot_runs_tells_same_named_folders_apart_and_skips_unreadable_lines(tmp
     assert proc.returncode == 2 and proc.stderr == (f"error: cannot write {tmp_path / 'huge.png' / 'x.png'}: it is a "
                                                     f"file, or lies under one\n"), proc.stderr  # (was "File exists")
     assert not list(tmp_path.glob(".*.tmp"))
+    monkeypatch.chdir(tmp_path / "huge")  # "." is the folder's own name (it was labelled "", so not a second time)
+    proc = script("scripts/plot_runs.py", ".", tmp_path / "huge", f"--out={tmp_path / 'huge.png'}")
+    assert proc.returncode == 2 and proc.stderr == "error: a folder is given twice: give each run once\n", proc.stderr
 
 
 def test_plot_runs_bad_input_is_one_line(tmp_path, script):
@@ -211,12 +215,55 @@ def test_a_worker_that_fails_while_running_is_a_failed_run(monkeypatch, tmp_path
     import bench
     from errors import RunError
     commands = []
-    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, env: commands.append(cmd) or
-                        subprocess.CompletedProcess(cmd, 1))
+
+    class Failed:  # a torchrun that ended with status 1
+        def wait(self):
+            return 1
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda cmd, env: commands.append(cmd) or Failed())
     monkeypatch.setattr(sys, "argv", ["bench.py", "--debug"])
     with pytest.raises(RunError, match="the ddp run on 1 process failed \\(exit 1\\)"):
         bench.measure(["ddp"], [1], ["--device=cpu"], 1, 0, tmp_path, False)
     assert commands[0][-1] == "--debug"  # the workers show their tracebacks too
+
+
+def test_a_report_that_cannot_be_written_keeps_the_last_and_the_figures_are_printed(monkeypatch, tmp_path, capsys):
+    """A full disk left an empty bench.json in place of the last report, and said only "[Errno 28] ...", exit 2."""
+    import errno
+
+    import bench
+    from errors import RunError
+    from harness import raising
+    raw = dict(device="cpu", data="synthetic", vocab_size=50257, n_params=10, dtype="float32", compile=False,
+               memory_kind="peak RSS", config=dict(global_batch_size=8, batch_size=4, block_size=16), step_times=[1.0],
+               step_times_nosync=None, accumulation_steps=1, tokens_per_step=128, peak_memory=[1], state_bytes={},
+               mfu=None)
+    rows = [bench.summarise("ddp", 1, raw)]
+    bench.add_scaling(rows)
+    (tmp_path / "bench.json").write_text("the last report")
+    monkeypatch.setattr(bench, "atomic_write_bytes", raising(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(RunError, match=rf"could not write the report in {tmp_path} \(No space left on device\): "
+                                       r"free disk space or give another --report \(the table above holds its"):
+        bench.write_report(rows, tmp_path, 1, 0, [])
+    assert (tmp_path / "bench.json").read_text() == "the last report"
+    assert "| ddp | 1 | 8 (1) | 128 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # a process of its own
+def test_a_signal_to_a_tool_goes_on_to_the_torchrun_it_waits_for(tmp_path, capsys):
+    """kill -INT or SIGTERM to bench.py ended it alone: torchrun and its workers ran on."""
+    import os
+    import signal
+    import threading
+
+    from errors import wait_passing_signals
+    child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda "
+                              "*a: sys.exit(7))\nprint('ready', flush=True)\ntime.sleep(300)"], stdout=subprocess.PIPE)
+    threading.Thread(target=lambda: child.stdout.readline() and os.kill(os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(SystemExit) as ended:
+        wait_passing_signals(child)
+    assert (ended.value.code, child.returncode) == (128 + signal.SIGTERM, 7)  # it was passed on, then ended here
+    assert capsys.readouterr().err == "error: interrupted (SIGTERM)\n"
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # as it was
 
 
 def test_bench_measures_the_configs_strategy_unless_told_otherwise(monkeypatch, tmp_path):
@@ -289,6 +336,16 @@ def test_bench_loader_makes_shards_their_headers_describe(tmp_path):
     files = make(tmp_path, 2 * 20 * 64, 2)
     assert [read_shard_header(path) for path, _, _ in files] == [("uint16", 1280)] * 2
     assert [(offset, count) for _, offset, count in files] == [(1024, 1280)] * 2
+
+
+def test_bench_loader_names_the_signal_that_killed_a_measurement(monkeypatch):
+    """A measuring process killed (SIGKILL: out of memory; SIGBUS: a full TMPDIR) said "failed: no message"."""
+    import bench_loader
+    from errors import RunError
+    monkeypatch.setattr(bench_loader.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, -7, "", ""))
+    monkeypatch.setattr(sys, "argv", ["bench_loader.py", "--sizes=2e5", "--block_size=64"])
+    with pytest.raises(RunError, match=r"shard\(s\) failed: killed by SIGBUS \(out of memory\? a full TMPDIR\?\)$"):
+        bench_loader.main()
 
 
 @pytest.mark.slow  # a bash process

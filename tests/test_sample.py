@@ -266,10 +266,15 @@ def test_text_the_terminal_cannot_encode_is_escaped_not_a_traceback(trained, sam
 
 
 @pytest.mark.slow  # a process of its own: its stdout is the full device
-def test_output_onto_a_full_disk_is_one_line(trained):
-    with open("/dev/full", "w") as full:  # (`python sample.py > samples.txt` on a full disk was a traceback)
-        ran = subprocess.run([sys.executable, "sample.py", f"--out_dir={trained}", "--max_new_tokens=5"], cwd=REPO,
-                             env=child_env(), stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+@pytest.mark.parametrize("tool", ["sample.py", "scripts/plot_runs.py"])
+def test_output_onto_a_full_disk_is_one_line(trained, tmp_path, tool):
+    """`python sample.py > samples.txt` on a full disk was a traceback; plot_runs.py said "[Errno 28] No space
+    left on device", exit 2, its picture written."""
+    args = {"sample.py": [f"--out_dir={trained}", "--max_new_tokens=5"],
+            "scripts/plot_runs.py": [trained, f"--out={tmp_path / 'runs.png'}"]}[tool]
+    with open("/dev/full", "w") as full:
+        ran = subprocess.run([sys.executable, tool, *map(str, args)], cwd=REPO, env=child_env(), stdout=full,
+                             stderr=subprocess.PIPE, text=True, timeout=300)
     lines = ran.stderr.splitlines()
     assert ran.returncode == 1 and lines[-1] == ("error: the output could not be written (No space left on device): "
                                                  "free disk space where stdout goes"), ran.stderr
