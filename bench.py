@@ -216,7 +216,7 @@ def markdown(rows: list, info: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list, path, info: dict):
+def plot(rows: list, out, info: dict):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -236,7 +236,7 @@ def plot(rows: list, path, info: dict):
     fig.suptitle(f"{info['device']}, {info['dtype']}, global batch {rows[0]['global_batch_size']} x "
                  f"{rows[0]['raw']['config']['block_size']} tokens", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")
+    fig.savefig(out, dpi=120, format="png")
     plt.close(fig)
 
 

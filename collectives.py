@@ -22,7 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from errors import SEE_OTHER_RANK, CollectiveFailed, ConfigError, GroupNotFormed, RunError, UnreadableCheckpoint, say
+from errors import (SEE_OTHER_RANK, CollectiveFailed, ConfigError, GroupNotFormed, RunError, UnreadableCheckpoint,
+                    interrupted, say)
 
 
 def agree_max(value: int, world) -> int:
@@ -158,8 +159,7 @@ def _watch(world, address: str, dist_timeout: float, pipe: tuple):
     if select.select([pipe[0]], [], [], 2 * dist_timeout + 2)[0]:
         if not (signum := os.read(pipe[0], 1)[0]):
             return [os.close(fd) for fd in pipe]
-        how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        error, status = f"interrupted ({how}) while the process group formed", 128 + signum
+        error, status = f"{interrupted(signum)} while the process group formed", 128 + signum
     say(f"error: {error}")  # (under train_spawn.py, into its folder of ranks' lines: printed once)
     os._exit(status)
 

@@ -12,6 +12,7 @@ that raises them reads as control flow.
 import argparse
 import errno
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -75,7 +76,7 @@ def reported(debug: bool = False, also: tuple = ()):
             raise
         if debug:
             traceback.print_exc()
-        message = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else e
+        message = interrupted(signal.SIGINT) if isinstance(e, KeyboardInterrupt) else e
         if too_long:
             path = str(e.filename)
             message = (f"the path {path[:60]}{'[...]' * (len(path) > 60)} is too long for the file system (a name "
@@ -96,6 +97,11 @@ def reported(debug: bool = False, also: tuple = ()):
         sys.exit(1)
 
 
+def interrupted(signum: int) -> str:
+    """A signal's end, as the error line names it: "interrupted (Ctrl-C)" for SIGINT, else its name."""
+    return f"interrupted ({'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name})"
+
+
 def wait_passing_signals(child) -> int:
     """child's (a Popen's) exit status. SIGTERM and SIGINT (kill -INT) sent here go on to it (torchrun ends its
     workers then; a tool that ended alone left them running), and this process ends as the signal ends a tool."""
@@ -109,9 +115,9 @@ def wait_passing_signals(child) -> int:
         status = child.wait()
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # (None: not set from Python)
     if received:
-        say(f"error: interrupted ({'Ctrl-C' if received[0] == signal.SIGINT else 'SIGTERM'})")
+        say(f"error: {interrupted(received[0])}")
         sys.exit(128 + received[0])
     return status
 
@@ -208,7 +214,7 @@ def _kept(saved) -> str:
     resumed: a rollback to previous.pt (last.pt is newer), a checkpoint of another folder."""
     if saved is None:
         return "no checkpoint of this run was written yet"
-    how = "resume=auto" if saved[2] else f"--resume={saved[0]}"
+    how = "resume=auto" if saved[2] else f"--resume={shlex.quote(saved[0])}"
     return f"{saved[0]} holds step {saved[1]}, the last good one ({how} continues from it)"
 
 

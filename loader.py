@@ -163,7 +163,7 @@ def read_dataset(cfg: Config, splits=("train", "val")) -> dict:
         raise ConfigError(f"{data_dir} holds a dataset {other}: leave --prepare_input out to train on it as it "
                           f"is, or give the new text a --data_dir of its own (a new folder)")
     for split in splits:
-        shards = split_shards(data_dir, meta)[split]
+        shards = split_shards(data_dir, meta)[split]  # (a list per split, from meta: nothing read)
         needed = 2 * cfg.block_size if split == "train" else cfg.block_size + 1  # train: any offset
         longest = max(s.tokens for s in shards)  # a window never crosses a shard end
         if longest < needed:

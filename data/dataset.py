@@ -120,9 +120,9 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
 
 def _prepare_again(data_dir, when: str = "again", meta: dict = None) -> str:
     """The command that prepares data_dir's dataset (`meta`'s: from the same local input)."""
-    name = Path(data_dir).name  # data/NAME/prepare.py, if there and it makes meta's kind of tokens (of ours,
+    name = Path(data_dir).name  # data/NAME/prepare.py, if there and it makes meta's kind of tokens
     if isinstance(meta, dict) and (meta.get("tokenizer") == "char") != (name == "shakespeare_char"):
-        name = ""  # only shakespeare_char's makes characters: a folder named shakespeare may hold them too)
+        name = ""  # (no script: of ours, only shakespeare_char's makes characters; data/shakespeare may hold them)
     script = Path(__file__).parent / name / "prepare.py"
     if when == "first" and not script.is_file() and Path(data_dir).resolve().parent == script.parent.parent:
         return f"no data/{script.parent.name}/prepare.py makes it: check the dataset's name"

@@ -31,7 +31,7 @@ from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_META, PROGRESS, load_met
 from data.corpora import prepare_parser
 from data.files import atomic_write_bytes, preparing, read_json
 from data.tokenizers import gpt2_encoding
-from errors import say
+from errors import interrupted, say
 
 
 def shard_arguments(doc: str, repo_id: str) -> argparse.ArgumentParser:
@@ -64,7 +64,7 @@ def sigterm_unwinds():
     being written goes (killed at once, it left worker tracebacks and leaked semaphores). Only the main
     thread can set a handler; elsewhere SIGTERM stays as it was."""
     def unwind(signum, frame):
-        say("error: interrupted (SIGTERM)")
+        say(f"error: {interrupted(signum)}")
         raise SystemExit(128 + signum)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, unwind) if main else None

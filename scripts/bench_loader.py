@@ -112,9 +112,8 @@ def main():
                                          capture_output=True, text=True,
                                          env={**os.environ, "OMP_NUM_THREADS": "1"})
                     if out.returncode:  # e.g. the window order of a huge dataset does not fit in memory
-                        said = out.stderr.strip().splitlines() or [  # (killed: it says nothing)
-                            f"killed by {signal.Signals(-out.returncode).name} (out of memory? a full TMPDIR?)"
-                            if out.returncode < 0 else f"exit status {out.returncode}"]
+                        said = ([f"killed by {signal.Signals(-out.returncode).name} (out of memory? a full TMPDIR?)"]
+                                if out.returncode < 0 else out.stderr.strip().splitlines() or [f"exit {out.returncode}"])
                         raise RunError(f"measuring {size:,} bytes in {shards} shard(s) failed: {said[-1]}")
                     runs.append(json.loads(out.stdout))
             r = {k: statistics.median(run[k] for run in runs) for k in runs[0]}

@@ -285,6 +285,8 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temporar
     with pytest.raises(RunError, match=rf"; {out}/previous.pt holds step \d+, the last good one \(--resume={out}/"
                                        r"previous.pt continues from it\)"):
         train_here(data_dir_of(out), out, max_iters=12, eval_interval=12, resume=out / "previous.pt")
+    from errors import _kept
+    assert _kept(("my runs/last.pt", 4, False)).endswith("(--resume='my runs/last.pt' continues from it)")  # pastes
     assert not list(out.glob(".*.tmp"))
     monkeypatch.setattr(torch, "save", raising(PermissionError(13, "Permission denied")))  # (chattr +i)
     with pytest.raises(RunError, match=r"at step 12 \(\[Errno 13\] Permission denied\).*: make out_dir writable or "):

@@ -253,12 +253,13 @@ def test_a_signal_to_a_tool_goes_on_to_the_torchrun_it_waits_for(tmp_path, capsy
     """kill -INT or SIGTERM to bench.py ended it alone: torchrun and its workers ran on."""
     import os
     import signal
-    import threading
 
     from errors import wait_passing_signals
     child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda "
                               "*a: sys.exit(7))\nprint('ready', flush=True)\ntime.sleep(300)"], stdout=subprocess.PIPE)
-    threading.Thread(target=lambda: child.stdout.readline() and os.kill(os.getpid(), signal.SIGTERM)).start()
+    child.stdout.readline()  # its handler is set
+    waiting = child.wait  # the SIGTERM comes once this process waits, its handler set
+    child.wait = lambda: os.kill(os.getpid(), signal.SIGTERM) or waiting()
     with pytest.raises(SystemExit) as ended:
         wait_passing_signals(child)
     assert (ended.value.code, child.returncode) == (128 + signal.SIGTERM, 7)  # it was passed on, then ended here
