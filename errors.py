@@ -146,10 +146,13 @@ class GlobalBatchIndivisible(ConfigError):
         per_round = batch_size * world_size
         near = max(per_round, round(global_batch_size / per_round) * per_round)
         keep = next((b for b in range(batch_size - 1, 0, -1) if global_batch_size % (b * world_size) == 0), None)
+        fits = max(w for w in range(1, world_size) if global_batch_size % w == 0) if not keep else 0  # processes
         super().__init__(
             f"global_batch_size ({global_batch_size}) must be divisible by batch_size ({batch_size}) "
             f"x world size ({world_size}) = {per_round}: try --global_batch_size={near}"
-            + (f", or --batch_size={keep}, which keeps the global batch (a resume must)" if keep else ""))
+            + (f", or --batch_size={keep}, which keeps the global batch (a resume must)" if keep else
+               f" (a resume must keep {global_batch_size}: launch it on {fits} process{'es' * (fits > 1)}, or another "
+               f"number that divides {global_batch_size})"))
 
 
 def write_failure(e: OSError) -> str:

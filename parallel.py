@@ -181,12 +181,13 @@ def memory_problem(model_cfg, cfg, world: World):
     state = 16 * n // (world.shard_size if world.strategy == "fsdp" else 1)
     logits = 4 * cfg.batch_size * cfg.block_size * model_cfg.padded_vocab_size
     available = available_memory(world.device, world.local_size)
-    if state + logits > available:
+    if state + logits > available:  # (fsdp_shard_size below the world: more processes shrink no shard)
+        more = "--fsdp_shard_size=0, which shards over every rank" if world.strategy == "fsdp" and \
+            world.shard_size < world.size else "more processes" + " with --strategy=fsdp" * (world.strategy != "fsdp")
         return (f"this model needs at least {(state + logits) / 1e9:,.1f} GB per process ({n / 1e6:,.0f}M "
                 f"parameters: {state / 1e9:,.1f} GB of weights, gradients and AdamW moments, "
                 f"{logits / 1e9:,.1f} GB of logits for batch_size={cfg.batch_size}), but {world.device} has "
-                f"{available / 1e9:,.1f} GB available: choose a smaller model or batch_size, or more processes "
-                f"with --strategy=fsdp")
+                f"{available / 1e9:,.1f} GB available: choose a smaller model or batch_size, or {more}")
     table, host = 16 * cfg.global_batch_size, available_memory(torch.device("cpu"), world.local_size)
     if table > host:  # the loader's epoch holds every window's start (int64), twice while it is made
         return (f"global_batch_size={cfg.global_batch_size:,} needs at least {table / 1e9:,.1f} GB per process for the "

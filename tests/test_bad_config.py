@@ -438,7 +438,8 @@ def test_train_spawn_exits_2_and_debug_shows_the_traceback(char_data, tmp_path, 
 
 @pytest.mark.parametrize("launcher, args, message", [
     ("train_spawn.py", ["--nproc=4", "--global_batch_size=6"],
-     "global_batch_size (6) must be divisible by batch_size (4) x world size (4) = 16: try --global_batch_size=16"),
+     "global_batch_size (6) must be divisible by batch_size (4) x world size (4) = 16: try --global_batch_size=16 "
+     "(a resume must keep 6: launch it on 3 processes, or another number that divides 6)"),
     ("bench.py", ["--nproc=4", "--strategies=fsdp", "--strategy=fsdp", "--fsdp_shard_size=3", "--global_batch_size=48"],
      "fsdp_shard_size (3) must divide the world size (4): e.g. the processes per host, 4"),
 ])

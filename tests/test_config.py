@@ -197,5 +197,7 @@ def test_setup_splits_the_global_batch_over_the_world_it_is_given():
     with pytest.raises(ConfigError, match=r"fsdp_shard_size \(3\) must divide the world size \(4\): e\.g\. the "
                                           r"processes per host, 4"):
         placed(4, "--strategy=fsdp", "--fsdp_shard_size=3")
-    with pytest.raises(ConfigError, match=r"by batch_size \(4\) x world size \(3\) = 12: try --global_batch_size=36$"):
-        placed(3)  # (no smaller batch_size keeps 32 over 3 processes)
+    with pytest.raises(ConfigError, match=r"by batch_size \(4\) x world size \(3\) = 12: try --global_batch_size=36 "
+                                          r"\(a resume must keep 32: launch it on 2 processes, or another number that "
+                                          r"divides 32\)$"):
+        placed(3)  # (no smaller batch_size keeps 32 over 3 processes: the advice was a global batch no resume takes)

@@ -242,14 +242,17 @@ def test_the_memory_bound_counts_one_micro_batchs_logits_and_only_this_ranks_sha
     model, cfg = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64), SimpleNamespace(
         batch_size=8, block_size=64, global_batch_size=8)
     state, logits = 16 * model.n_params, 4 * 8 * 64 * model.padded_vocab_size
-    for free, world, refused in [(state + logits - 1, World(), True), (state + logits, World(), False),
-                                 (state // 4 + logits, World(size=4, strategy="fsdp", shard_size=4), False),
-                                 (state // 4 + logits, World(size=4, strategy="fsdp", shard_size=2), True),  # HSDP
-                                 (state // 4 + logits, World(size=4, shard_size=4), True)]:  # DDP: whole
+    fsdp = lambda shard_size: World(size=4, strategy="fsdp", shard_size=shard_size)  # noqa: E731
+    ddp, hsdp, more = "more processes with --strategy=fsdp", "--fsdp_shard_size=0, which shards over", "more processes"
+    for free, world, refused in [(state + logits - 1, World(), ddp), (state + logits, World(), None),
+                                 (state // 4 + logits, fsdp(4), None), (state // 4 + logits - 1, fsdp(4), more),
+                                 (state // 4 + logits, fsdp(2), hsdp),  # (HSDP: more processes were advised)
+                                 (state // 4 + logits, World(size=4, shard_size=4), ddp)]:  # DDP: whole
         monkeypatch.setattr(parallel, "available_memory", lambda device, local_size, free=free: free)
         problem = parallel.memory_problem(model, cfg, world)
-        assert (problem is not None) == refused, (free, world)
-        assert not refused or "GB of logits for batch_size=8" in problem
+        assert (problem is not None) == bool(refused), (free, world)
+        assert not refused or "GB of logits for batch_size=8" in problem and problem.endswith(
+            f"choose a smaller model or batch_size, or {refused}" + " every rank" * (refused == hsdp)), problem
 
 
 class PeakBytes(TorchDispatchMode):
