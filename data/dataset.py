@@ -280,12 +280,12 @@ def check_token_files(data_dir, meta: dict, n_windows: int = 16, window: int = 4
     for split, shards in split_shards(data_dir, meta).items():
         for shard in shards:
             path = shard.path
-            if not path.is_file() and (Path(data_dir) / "run.lock").exists():  # (its meta.json: the dataset's copy)
-                raise FileNotFoundError(f"{data_dir} is a training run's out_dir, not a dataset: give the dataset's "
-                                        f"folder")
-            if not path.is_file():
-                raise FileNotFoundError(f"{path} is {'no file' if os.path.lexists(path) else 'missing'}, though "
-                                        f"meta.json is there: {again}")
+            if not path.is_file():  # (a run's out_dir holds run.lock and meta.json, the dataset's copy)
+                raise FileNotFoundError(
+                    f"{data_dir} is a training run's out_dir, not a dataset: give the dataset's folder"
+                    if (Path(data_dir) / "run.lock").exists() else
+                    f"{path} is {'no file' if os.path.lexists(path) else 'missing'}, though meta.json is there: "
+                    f"{again}")
             if shard.offset:  # an llm.c shard: its header must agree
                 found, count = read_shard_header(path)
                 if found != dtype.name:
