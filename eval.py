@@ -64,13 +64,13 @@ def check(args):
 def val_split(args, model, vocab: dict) -> tuple:
     """(tokens, window starts) of --dataset's val split, checked against the model's vocabulary."""
     cfg = validate(Config(dataset=args.dataset, data_dir=args.data_dir, block_size=model.config.block_size))
-    meta = read_dataset(cfg, ("val",))  # (a short train split is no concern of an evaluation)
+    meta = read_dataset(cfg, ("val",))  # (train.bin is no concern of an evaluation)
     if any(meta.get(k) != vocab.get(k) for k in ("vocab_size", "tokenizer", "chars")):  # (or other characters)
         models = f"{vocab.get('tokenizer')} of {vocab['vocab_size']} tokens" + ", other characters" * (
             meta.get("chars") != vocab.get("chars") and meta["vocab_size"] == vocab["vocab_size"])
         raise ConfigError(f"{dataset_dir(cfg)} has another vocabulary ({meta.get('tokenizer')} of {meta['vocab_size']} "
                           f"tokens) than the model ({models}): give a dataset of the model's tokenizer")
-    tokens = token_splits(cfg, meta)["val"]
+    tokens = token_splits(cfg, meta, ("val",))["val"]
     return tokens, eval_starts(tokens, cfg.block_size, args.val_windows)
 
 

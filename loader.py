@@ -131,9 +131,10 @@ class ShardedTokenLoader:
         self.epoch, self.position = epoch, position
 
 
-def token_splits(cfg: Config, meta: dict) -> dict:
-    """The dataset's train and val splits, each over its shards."""
-    return {split: Tokens(shards, meta["vocab_size"]) for split, shards in split_shards(dataset_dir(cfg), meta).items()}
+def token_splits(cfg: Config, meta: dict, splits=("train", "val")) -> dict:
+    """The dataset's train and val splits (or those in `splits`), each over its shards."""
+    return {split: Tokens(shards, meta["vocab_size"]) for split, shards in split_shards(dataset_dir(cfg), meta,
+                                                                                         splits).items()}
 
 
 def eval_starts(tokens: Tokens, block_size: int, n_windows: int) -> np.ndarray:
@@ -152,18 +153,17 @@ def dataset_dir(cfg: Config) -> Path:
 
 
 def read_dataset(cfg: Config, splits=("train", "val")) -> dict:
-    """meta.json, checked against the token files and against block_size (in `splits`: eval.py reads val's)."""
+    """meta.json, checked against the token files of `splits` (eval.py reads val's) and against block_size."""
     data_dir = dataset_dir(cfg)
     try:
         meta = load_meta(data_dir)
-        check_token_files(data_dir, meta)
+        check_token_files(data_dir, meta, splits=splits)
     except (OSError, ValueError) as e:
         raise ConfigError(str(e)) from None
     if cfg.prepare_input and (other := other_source(meta, cfg.prepare_input)):  # else it would go unused
         raise ConfigError(f"{data_dir} holds a dataset {other}: leave --prepare_input out to train on it as it "
                           f"is, or give the new text a --data_dir of its own (a new folder)")
-    for split in splits:
-        shards = split_shards(data_dir, meta)[split]  # (a list per split, from meta: nothing read)
+    for split, shards in split_shards(data_dir, meta, splits).items():
         needed = 2 * cfg.block_size if split == "train" else cfg.block_size + 1  # train: any offset
         longest = max(s.tokens for s in shards)  # a window never crosses a shard end
         if longest < needed:

@@ -193,14 +193,14 @@ def other_source(meta: dict, input_path: str):
         f"made from {made}, not from prepare_input {input_path}"
 
 
-def split_shards(data_dir, meta: dict) -> dict:
+def split_shards(data_dir, meta: dict, splits=("train", "val")) -> dict:
     """{"train": [Shard, ...], "val": [...]}: where each split's tokens are."""
     data_dir = Path(data_dir)
     if "shards" not in meta:
         return {split: [Shard(data_dir / f"{split}.bin", meta["dtype"], 0, meta[f"{split}_tokens"])]
-                for split in ("train", "val")}
+                for split in splits}
     return {split: [Shard(data_dir / s["file"], meta["dtype"], HEADER_INTS * 4, s["tokens"])
-                    for s in meta["shards"][split]] for split in ("train", "val")}
+                    for s in meta["shards"][split]] for split in splits}
 
 
 def _valid_shard_list(meta: dict) -> str:
@@ -267,7 +267,7 @@ def load_meta(data_dir, fix: str = "") -> dict:
     return meta
 
 
-def check_token_files(data_dir, meta: dict, n_windows: int = 16, window: int = 4096) -> None:
+def check_token_files(data_dir, meta: dict, n_windows: int = 16, window: int = 4096, splits=("train", "val")) -> None:
     """Check the token files against meta.json: whole tokens of its dtype (for shards: a valid
     header of that dtype), its token counts, and no token id >= vocab_size in n_windows windows
     spread over each split (a sample: reading every token of a large corpus takes minutes)."""
@@ -277,7 +277,7 @@ def check_token_files(data_dir, meta: dict, n_windows: int = 16, window: int = 4
     if not (Path(data_dir) / "meta.json").is_file():  # meta_from_shards: read as GPT-2's tokens
         foreign = ("shards without a meta.json are read as GPT-2 BPE tokens, and these are not: tokenize "
                    "the text with GPT-2's BPE (python data/fineweb/prepare.py --input=FILES)")
-    for split, shards in split_shards(data_dir, meta).items():
+    for split, shards in split_shards(data_dir, meta, splits).items():
         for shard in shards:
             path = shard.path
             if not path.is_file():  # (a run's out_dir holds run.lock and meta.json, the dataset's copy)

@@ -341,6 +341,8 @@ def test_eval_py_says_a_val_split_is_too_short_for_the_model_without_train_py_fl
     (short / "meta.json").write_text(json.dumps({**json.loads((short / "meta.json").read_text()), "train_tokens": 10}))
     out = run_eval(["--out_dir", straight, "--no_hellaswag", "--data_dir", short, "--val_windows=2"], capsys)
     assert out[-1].startswith(f"{short} val loss "), out
+    (short / "train.bin").unlink()  # nor a host's copy of val alone (it said "train.bin is missing")
+    assert run_eval(["--out_dir", straight, "--no_hellaswag", "--data_dir", short, "--val_windows=2"], capsys) == out
     line = fails(["--out_dir", straight, "--hellaswag", small_file, "--data_dir", tmp_path / ("x" * 300)], capsys)
     assert line.startswith("error: data_dir is not a path a file system takes"), line  # as train.py says it
     line = fails(["--out_dir", straight, "--no_hellaswag", "--data_dir", straight], capsys)  # a run's out_dir (it
