@@ -17,7 +17,10 @@ import math
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
@@ -31,7 +34,7 @@ from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_META, PROGRESS, load_met
 from data.corpora import prepare_parser
 from data.files import atomic_write_bytes, preparing, read_json
 from data.tokenizers import gpt2_encoding
-from errors import interrupted, say
+from errors import RunError, interrupted, say
 
 
 def shard_arguments(doc: str, repo_id: str) -> argparse.ArgumentParser:
@@ -51,16 +54,18 @@ _encoder = None  # the worker's tiktoken Encoding, or the exception loading it r
 
 def _start_worker():
     global _encoder
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's, which ends the pool
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's, which stops the pool
+    if parent := mp.parent_process():  # killed (SIGKILL), it leaves no orphan waiting for work for ever
+        threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
     try:
         _encoder = gpt2_encoding(verbose=False)
-    except Exception as e:  # noqa: BLE001  an initializer that raises is restarted by the Pool forever
+    except Exception as e:  # noqa: BLE001  an initializer that raises breaks the pool, with no message
         _encoder = e
 
 
 @contextmanager
 def sigterm_unwinds():
-    """SIGTERM (a scheduler, `timeout`) unwinds as Ctrl-C does: the pool ends its workers and the shard
+    """SIGTERM (a scheduler, `timeout`) unwinds as Ctrl-C does: the pool starts no more work and the shard
     being written goes (killed at once, it left worker tracebacks and leaked semaphores). Only the main
     thread can set a handler; elsewhere SIGTERM stays as it was."""
     def unwind(signum, frame):
@@ -147,7 +152,9 @@ def read_progress(out_dir, settings: dict = None, every_file: bool = False) -> d
         raise ValueError(f"{out_dir} holds an interrupted prepare with other settings ({other}; {path}): "
                          f"rerun it with the same options and input, or remove {out_dir}")
     before, now = progress["settings"].get("file_sizes"), settings.get("file_sizes")
-    start_doc = math.inf if every_file else min((s["resume"][0] for s in progress["streams"].values()), default=0)
+    # the documents in written shards: those before each stream's resume point, and the one it is in, if begun
+    start_doc = math.inf if every_file else min((doc + (used > 0) for doc, used in (
+        s["resume"] for s in progress["streams"].values())), default=0)
     if (changed := _changed_in_shards(before, now, progress["counts"], start_doc)) is not None:
         raise ValueError(f"{settings['files'][changed]} is not the file the interrupted prepare in {out_dir} read "
                          f"({before[changed]:,} bytes then, {now[changed]:,} now): put it back, or remove "
@@ -207,15 +214,24 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
                 streams[route(doc)].add(doc, tokens, on_shard)
                 bar.update(len(tokens))
 
-        # Two blocks in flight at most, so memory stays bounded (Pool.imap would read all ahead).
-        with sigterm_unwinds(), mp.get_context("spawn").Pool(workers, initializer=_start_worker) as pool:
-            pending, docs = [], documents()
-            for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
-                pending.append(pool.map_async(_encode, block, chunksize=16))
-                if len(pending) == 2:
-                    take(pending.pop(0).get())
-            for result in pending:
-                take(result.get())
+        # Two blocks in flight at most, so memory stays bounded (pool.map alone would read all ahead). A
+        # worker that dies (the out-of-memory killer) breaks this pool: multiprocessing.Pool lost its task, a hang.
+        pool = ProcessPoolExecutor(workers, mp.get_context("spawn"), initializer=_start_worker)
+        with sigterm_unwinds():
+            try:
+                pending, docs = [], documents()
+                for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
+                    pending.append(pool.map(_encode, block, chunksize=16))
+                    if len(pending) == 2:
+                        take(pending.pop(0))
+                for result in pending:
+                    take(result)
+            except BrokenProcessPool:
+                raise RunError("a tokenizing process was killed (the out-of-memory killer?): run the same command "
+                               "again, which goes on from the last shard written (fewer --workers use less memory)"
+                               ) from None
+            finally:
+                pool.shutdown(wait=not sys.exc_info()[0], cancel_futures=True)  # on an error: no chunk more starts
         bar.close()
         return _finish(source, out_dir, streams, counts, settings, shard_tokens, on_shard)
 

@@ -1,6 +1,7 @@
 """Corpora as token shards: the FineWeb and OpenWebText prepare scripts on local files (the hub is
 never touched), llm.c's shard format, and training over many shards with the loader's guarantees."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -21,15 +22,15 @@ import pytest
 import torch
 
 import train
-from config import resolve
+from config import Config, resolve
 from data import streaming
-from data.dataset import Shard, meta_from_shards, read_shard_header, write_shard
+from data.dataset import Shard, meta_from_shards, other_source, read_shard_header, write_shard
 from data.documents import local_source
 from data.tokenizers import gpt2_encoding
 from errors import ConfigError
 from harness import (REPO, assert_close_runs, ckpt, make_char_dataset, raising, read_epochs, record_epochs,
                      shard_dataset, small_disk, tiny_args, train_log, train_run)
-from loader import ShardedTokenLoader, Tokens
+from loader import Dataset, ShardedTokenLoader, Tokens
 
 WORDS = ("the king queen fool lord speaks laughs sleeps at night in the hall for love again softly "
          "what news, my good sir? none at all! 'tis cold; 42 ducats").split()
@@ -92,6 +93,12 @@ def test_fineweb_prepare_writes_llm_c_shards_of_every_document_after_an_eot(corp
     assert meta["documents"] == len(docs) and meta["source"]["input"] == f"{folder}/part*"
     assert all(hashlib.sha256((out / e["file"]).read_bytes()).hexdigest() == e["sha256"] for e in entries)
     assert sorted(p.name for p in out.iterdir()) == sorted([e["file"] for e in entries] + ["meta.json"])
+    # train.py --prepare_input takes the shards prepared as it advised (it said "made from local files, not from")
+    Dataset(Config(dataset="fineweb", data_dir=str(out), block_size=16, prepare_input=f"{folder}/part*"))
+    assert other_source(meta, f"{folder}/part0.parquet") == (f"made from {folder}/part*, not from prepare_input "
+                                                            f"{folder}/part0.parquet")
+    edited = {**meta, "prepared_with": {**meta["prepared_with"], "file_sizes": [1, 2, 3]}}
+    assert other_source(edited, f"{folder}/part*") == f"made from {folder}/part* before it changed"
 
 
 @pytest.mark.slow
@@ -110,14 +117,23 @@ def test_openwebtext_prepare_splits_documents_by_nanogpts_rule(corpus, tmp_path)
     assert meta["shards"]["val"][0]["file"] == "openwebtext_val_000000.bin"
 
 
+def children(pid: int) -> list:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+
+
 @pytest.mark.slow
 def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shards(corpus, tmp_path):
     folder = Path(shutil.copytree(corpus[0], tmp_path / "corpus"))  # (changed below)
     args = [f"--input={folder}/part*", "--shard_tokens=3000", "--workers=1"]
     assert prepare("fineweb", *args, f"--out_dir={tmp_path / 'straight'}").returncode == 0
     straight = {p.name: p.read_bytes() for p in (tmp_path / "straight").iterdir()}
-    for sig, workers in ((signal.SIGKILL, 1), (signal.SIGTERM, 2)):
-        out = tmp_path / sig.name
+    for sig, workers, whom in ((signal.SIGKILL, 1, "prepare"), (signal.SIGTERM, 2, "prepare"),
+                               (signal.SIGKILL, 2, "worker")):
+        out = tmp_path / f"{sig.name}-{whom}"
         proc = subprocess.Popen([sys.executable, "data/fineweb/prepare.py", *args, f"--workers={workers}",
                                  f"--out_dir={out}"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True)
@@ -128,9 +144,16 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
             assert proc.poll() is None, "the prepare finished before it could be killed"
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        proc.send_signal(sig)
-        err = proc.communicate()[1]
+        if whom == "worker":  # a tokenizing process (the out-of-memory killer's choice): once a hang
+            os.kill(next(pid for pid in children(proc.pid) if "spawn_main" in cmdline(pid)), sig)
+        else:
+            proc.send_signal(sig)
+        err = proc.communicate(timeout=60)[1]
         assert not (out / "meta.json").exists()
+        if whom == "worker":
+            assert proc.returncode == 1 and err == (
+                "error: a tokenizing process was killed (the out-of-memory killer?): run the same command again, "
+                "which goes on from the last shard written (fewer --workers use less memory)\n"), err
         if sig == signal.SIGTERM:  # (a scheduler's, `timeout`'s): as Ctrl-C, not worker tracebacks, leaked semaphores
             assert proc.returncode == 143 and err == "error: interrupted (SIGTERM)\n", err
             assert [p.name for p in out.iterdir() if ".tmp" in p.name] == []
@@ -426,6 +449,12 @@ def test_a_resume_lets_change_only_the_files_its_shards_hold_nothing_of(tmp_path
     assert streaming.read_progress(tmp_path, now)["counts"] == [10, 10, 10]  # fineweb: "c" is not read yet
     with pytest.raises(ValueError, match="^c is not the file the interrupted prepare"):  # openwebtext's split counts it
         streaming.read_progress(tmp_path, now, every_file=True)
+    for used, refused in ((0, False), (3, True)):  # stopped as the second file begins: "b" may change if no token
+        (tmp_path / ".progress.json").write_text(json.dumps({  # of it is in a shard (a .txt file: one document)
+            "settings": {"files": ["a", "b", "c"], "file_sizes": [5, 6, 7]}, "counts": [10],
+            "streams": {"all": {"resume": [10, used], "shards": []}}}))
+        with pytest.raises(ValueError, match="^b is not the file") if refused else contextlib.nullcontext():
+            streaming.read_progress(tmp_path, {"files": ["a", "b", "c"], "file_sizes": [5, 9, 7]})  # (it was not)
     for sizes in (5, 0, ["5", "6", "7"]):  # edited by hand: was a TypeError's traceback
         progress = json.loads((tmp_path / ".progress.json").read_text())
         progress["settings"]["file_sizes"] = sizes
