@@ -74,7 +74,7 @@ class Logger:
 
     def __enter__(self):
         """The progress bar, on a terminal (on stdout, with the log lines: stderr keeps one error line)."""
-        if self.enabled and sys.stdout.isatty():
+        if self.enabled and sys.stdout and sys.stdout.isatty():  # (None: started with stdout closed)
             from tqdm import tqdm
             self.bar = tqdm(total=self.max_iters, initial=self.clock_step, dynamic_ncols=True, file=sys.stdout)
         return self

@@ -31,9 +31,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rank: int, nproc: int, args: list[str], errors: str):
+def worker(rank: int, nproc: int, args: list[str], errors: str, interrupted):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), ERRORS_TO=errors)  # errors.say writes its line there
+    with reported():  # Ctrl-C is ignored while a rank imports torch (each printed a traceback): one line here
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if interrupted.is_set() or not mp.parent_process().is_alive():  # (or killed before mp set a death signal:
+            raise KeyboardInterrupt  # an orphan trained on)
     train.cli(args)
 
 
@@ -59,15 +63,24 @@ def main(argv=None):
 
 
 def run(nproc: int, args: list, errors: Path):
-    context = mp.spawn(worker, args=(nproc, args, str(errors)), nprocs=nproc, join=False)
-    # Pass SIGTERM (a scheduler) and SIGINT (kill -INT) on, as torchrun does: each rank stops at a
-    # step boundary and saves. (Ctrl-C in a terminal reaches the ranks themselves too.)
+    interrupted = mp.get_context("spawn").Event()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: the ranks start ignoring it (see worker)
+    context = mp.spawn(worker, args=(nproc, args, str(errors), interrupted), nprocs=nproc, join=False)
+
+    def forward(signum, frame):  # SIGTERM (a scheduler) and SIGINT (kill -INT), as torchrun does: each rank stops
+        if signum == signal.SIGINT:  # at a step boundary and saves (a terminal's Ctrl-C reaches them too)
+            interrupted.set()  # (a rank still starting, ignoring it, reads this)
+        for p in context.processes:
+            if p.is_alive():
+                os.kill(p.pid, signum)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: [os.kill(p.pid, signum) for p in context.processes if p.is_alive()])
+        signal.signal(sig, forward)
     try:
         while not context.join():
             pass
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+        if 128 + signal.SIGPIPE in [p.exitcode for p in context.processes]:  # `| head`: a pipe's writer's end,
+            sys.exit(128 + signal.SIGPIPE)  # quietly (the others' lines say only that it went)
         said = [(errors / str(rank)).read_text("utf-8") for rank in range(nproc) if (errors / str(rank)).exists()]
         own = [line for line in said if not line.endswith(SEE_OTHER_RANK)]  # (that message is here too)
         for line in dict.fromkeys(own or said):  # each distinct line once, in rank order

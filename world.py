@@ -88,8 +88,8 @@ def find_world() -> World:
         # rank 0 runs on the step's first node, which need not be the job's first
         nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         env.setdefault("MASTER_ADDR", slurm_first_host(nodes))
-        step = int(env["SLURM_STEP_ID"]) % 10 if env["SLURM_STEP_ID"].isdigit() else 0  # steps at once: own ports
-        env.setdefault("MASTER_PORT", str(29500 + (int(env.get("SLURM_JOB_ID", "0")) * 10 + step) % 3000))
+        step = int(env["SLURM_STEP_ID"]) if env["SLURM_STEP_ID"].isdigit() else 0  # steps at once: own ports
+        env.setdefault("MASTER_PORT", str(29500 + (int(env.get("SLURM_JOB_ID", "0")) + 1009 * step) % 3000))
         counts, node = env.get("SLURM_STEP_TASKS_PER_NODE", env["SLURM_NTASKS"]), int(env.get("SLURM_NODEID", 0))
         per_node = slurm_tasks_per_node(counts)
         if "SLURM_PROCID" not in env or node >= len(per_node):

@@ -73,6 +73,11 @@ def test_an_absurd_learning_rate_stops_the_run_with_exit_1_and_saves_nothing(cha
     assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob(".*.tmp"))
 
 
+def test_a_run_started_with_stdout_closed_trains(char_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", None)  # `python train.py >&-` (it was an AttributeError's traceback)
+    assert train_here(char_data, tmp_path, max_iters=2, eval_interval=2)["step"] == 2
+
+
 def test_a_torch_compile_that_fails_is_one_line(char_data, tmp_path, capsys, monkeypatch):
     """No C++ compiler, say: torch.compile fails at the first compiled forward (step 0's eval)."""
     def broken(graph, example_inputs):

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from harness import (assert_same_weights, ckpt, free_port, logged_step, python, run, run_world, start, tiny_args,
-                     torchrun, wait_for)
+from harness import (REPO, assert_same_weights, child_env, ckpt, free_port, logged_step, python, run, run_world,
+                     start, tiny_args, torchrun, wait_for)
 
 pytestmark = pytest.mark.slow
 STEPS = 60
@@ -84,6 +84,20 @@ def test_a_signal_to_train_spawn_reaches_every_rank_which_saves_and_stops(char_d
                 os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 128 + sig, out
     assert f"stopped by {sig.name} at step" in out and ckpt(tmp_path)["step"] >= 1, out  # (no eval step saved it)
+
+
+def test_ctrl_c_while_train_spawns_ranks_start_is_one_line(char_data, tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group: ranks still importing torch each printed a
+    KeyboardInterrupt traceback. They start with SIGINT blocked, and unblock it where it is one line."""
+    proc = subprocess.Popen([sys.executable, "train_spawn.py", "--nproc=2", *tiny_args(char_data, tmp_path)],
+                            cwd=REPO, env=child_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # (a group of its own, as a terminal's foreground job)
+    wait_for(lambda: len(subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"], capture_output=True,
+                                        text=True).stdout.split()) == 2, proc, what="two ranks")
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in out, out
+    assert out.endswith("error: interrupted (Ctrl-C)\n") or "stopped by SIGINT at step" in out, out  # (if begun)
 
 
 def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(char_data, tmp_path, uninterrupted):

@@ -459,17 +459,19 @@ def test_bench_loader_labels_a_dataset_under_a_megabyte(script, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_tool_piped_into_head_ends_quietly(a_run):
+def test_a_tool_piped_into_head_ends_quietly(a_run, char_data, tmp_path):
     """`sample.py | head -1`: the reader goes away mid-output; the writer ends as a pipe's writer
     does (128 + SIGPIPE), with no traceback. (Its output is more than a pipe's buffer holds.) So do
+    train_spawn.py's ranks (rank 1 said a collective failed, and rank 0 'exited with status 141') and
     the launchers' --help."""
-    proc = subprocess.Popen([sys.executable, "sample.py", f"--out_dir={a_run}", "--num_samples=2000",
-                             "--max_new_tokens=100"], cwd=REPO, env=child_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    proc.stdout.readline()
-    proc.stdout.close()
-    err = proc.stderr.read()
-    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE and "Traceback" not in err and "error" not in err, err
+    for command in (["sample.py", f"--out_dir={a_run}", "--num_samples=2000", "--max_new_tokens=100"],
+                    ["train_spawn.py", "--nproc=2", *tiny_args(char_data, tmp_path, max_iters=100_000)]):
+        proc = subprocess.Popen([sys.executable, *command], cwd=REPO, env=child_env(), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.readline()
+        proc.stdout.close()
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 128 + signal.SIGPIPE and "Traceback" not in err and "error" not in err, err
     for launcher in ("train.py", "train_spawn.py"):  # --help, its reader gone before a byte (once a traceback)
         read, write = os.pipe()
         os.close(read)

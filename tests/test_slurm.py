@@ -112,20 +112,21 @@ TWO_NODES_4_EACH = dict(  # srun -N 2 --ntasks-per-node=4, task 5 (second node, 
 
 
 @pytest.mark.parametrize("env, world, master", [
-    (SRUN_TASK_1_OF_2, World(1, 1, 2, 2), ("vm", "29570")),
-    (TWO_NODES_4_EACH, World(5, 1, 8, 4), ("gpu03", "29920")),
+    (SRUN_TASK_1_OF_2, World(1, 1, 2, 2), ("vm", "29507")),
+    (TWO_NODES_4_EACH, World(5, 1, 8, 4), ("gpu03", "30742")),
     # srun -n 8 without --ntasks-per-node sets no SLURM_NTASKS_PER_NODE, only the "(xN)" form
-    ({**TWO_NODES_4_EACH, "SLURM_NTASKS_PER_NODE": None}, World(5, 1, 8, 4), ("gpu03", "29920")),
+    ({**TWO_NODES_4_EACH, "SLURM_NTASKS_PER_NODE": None}, World(5, 1, 8, 4), ("gpu03", "30742")),
     # 7 tasks on 3 nodes as 3,2,2: the last task is the second of the third node
     ({**TWO_NODES_4_EACH, "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_STEP_NODELIST": "n[1-3]",
       "SLURM_NTASKS": "7", "SLURM_STEP_NUM_TASKS": "7", "SLURM_NTASKS_PER_NODE": None,
       "SLURM_TASKS_PER_NODE": "3,2(x2)", "SLURM_STEP_TASKS_PER_NODE": "3,2(x2)",
-      "SLURM_NODEID": "2", "SLURM_PROCID": "6"}, World(6, 1, 7, 2), ("n1", "29920")),
+      "SLURM_NODEID": "2", "SLURM_PROCID": "6"}, World(6, 1, 7, 2), ("n1", "30742")),
     # a step on the second node of a two-node job: rank 0 lives on the step's first node
     ({**SRUN_TASK_1_OF_2, "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_STEP_NODELIST": "gpu04"},
-     World(1, 1, 2, 2), ("gpu04", "29570")),
-    # a second step of the job running beside the first: another port
-    ({**SRUN_TASK_1_OF_2, "SLURM_STEP_ID": "1"}, World(1, 1, 2, 2), ("vm", "29571")),
+     World(1, 1, 2, 2), ("gpu04", "29507")),
+    # a second step of the job running beside the first: another port (steps 0 and 10 once shared one)
+    ({**SRUN_TASK_1_OF_2, "SLURM_STEP_ID": "1"}, World(1, 1, 2, 2), ("vm", "30516")),
+    ({**SRUN_TASK_1_OF_2, "SLURM_STEP_ID": "10"}, World(1, 1, 2, 2), ("vm", "30597")),
     # an address set by hand wins over the node list
     ({**SRUN_TASK_1_OF_2, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"},
      World(1, 1, 2, 2), ("10.0.0.1", "1234")),
@@ -137,7 +138,7 @@ TWO_NODES_4_EACH = dict(  # srun -N 2 --ntasks-per-node=4, task 5 (second node, 
     ({k: v for k, v in SRUN_TASK_1_OF_2.items() if "STEP" not in k} | {"SLURM_PROCID": "0",
       "SLURM_LOCALID": "0"}, World(), (None, None)),
 ], ids=["srun-one-host", "two-nodes", "two-nodes-no-ntasks-per-node", "uneven-nodes",
-        "step-on-second-node", "second-step", "master-set-by-hand", "torchrun-in-srun", "sbatch-script-itself"])
+        "step-on-second-node", "second-step", "eleventh-step", "master-set-by-hand", "torchrun-in-srun", "sbatch-script-itself"])
 def test_find_world_maps_slurm_variables(monkeypatch, env, world, master):
     fake = private_env(monkeypatch, env)
     assert find_world() == world
