@@ -16,6 +16,7 @@ import shlex
 import signal
 import socket
 import sys
+import threading
 import traceback
 from contextlib import contextmanager
 
@@ -100,6 +101,24 @@ def reported(debug: bool = False, also: tuple = ()):
 def interrupted(signum: int) -> str:
     """A signal's end, as the error line names it: "interrupted (Ctrl-C)" for SIGINT, else its name."""
     return f"interrupted ({'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name})"
+
+
+@contextmanager
+def sigterm_unwinds():
+    """For a prepare script: SIGTERM (a scheduler, `timeout`) unwinds as Ctrl-C does, in one line, status 143
+    (a shard prepare's pool starts no more work and the shard being written goes; killed at once, it left
+    worker tracebacks and leaked semaphores). Only the main thread can set a handler; elsewhere SIGTERM
+    stays as it was."""
+    def unwind(signum, frame):
+        say(f"error: {interrupted(signum)}")
+        raise SystemExit(128 + signum)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, unwind) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
 
 
 def wait_passing_signals(child) -> int:

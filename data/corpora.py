@@ -13,6 +13,7 @@ import re
 import tempfile
 import urllib.request
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from data.files import (atomic_write_bytes, check_sha256, not_a_folder, pip_download, preparing, sha256_bytes,
@@ -59,10 +60,12 @@ def _folder(text: str) -> str:
     return text
 
 
+@contextmanager
 def errors_exit_2():
-    """For a prepare script's __main__: bad input ends in one line and exit status 2."""
-    from errors import reported
-    return reported(also=(OSError, ValueError, RuntimeError))
+    """For a prepare script's __main__: bad input ends in one line and exit status 2, SIGTERM in one line too."""
+    from errors import reported, sigterm_unwinds
+    with reported(also=(OSError, ValueError, RuntimeError)), sigterm_unwinds():
+        yield
 
 
 # ----------------------------------------------------------------------------- corpus

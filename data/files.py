@@ -119,9 +119,9 @@ def link_or_copy(src: Path, dst: Path):
 
 
 def tensor_bytes(obj) -> int:
-    """Bytes of the tensors in `obj`, a nest of dicts, lists and tensors (this rank's shards of DTensors)."""
+    """Bytes of the tensors in `obj`, a nest of dicts, lists and tensors: a DTensor's whole size, not this
+    rank's shard (a sharded checkpoint's ranks write to one disk)."""
     if hasattr(obj, "element_size"):
-        obj = obj.to_local() if hasattr(obj, "to_local") else obj
         return obj.numel() * obj.element_size()
     values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
     return sum(tensor_bytes(v) for v in values)

@@ -21,7 +21,6 @@ import sys
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterator
@@ -34,7 +33,7 @@ from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_META, PROGRESS, load_met
 from data.corpora import prepare_parser
 from data.files import atomic_write_bytes, preparing, read_json
 from data.tokenizers import gpt2_encoding
-from errors import RunError, interrupted, say
+from errors import RunError
 
 
 def shard_arguments(doc: str, repo_id: str) -> argparse.ArgumentParser:
@@ -61,23 +60,6 @@ def _start_worker():
         _encoder = gpt2_encoding(verbose=False)
     except Exception as e:  # noqa: BLE001  an initializer that raises breaks the pool, with no message
         _encoder = e
-
-
-@contextmanager
-def sigterm_unwinds():
-    """SIGTERM (a scheduler, `timeout`) unwinds as Ctrl-C does: the pool starts no more work and the shard
-    being written goes (killed at once, it left worker tracebacks and leaked semaphores). Only the main
-    thread can set a handler; elsewhere SIGTERM stays as it was."""
-    def unwind(signum, frame):
-        say(f"error: {interrupted(signum)}")
-        raise SystemExit(128 + signum)
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, unwind) if main else None
-    try:
-        yield
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
 
 
 def _encode(item):
@@ -165,16 +147,24 @@ def read_progress(out_dir, settings: dict = None, every_file: bool = False) -> d
     return progress
 
 
-def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, workers: int,
-                 route: Callable[[int], str], split_of_shard: dict, settings: dict, counts: list = None) -> dict:
-    """Tokenize every document of `source` into shards; return the meta.json written. route(doc)
-    names a document's stream, split_of_shard[stream](n) the split of its n-th shard. `settings`
-    (whatever decides the output) must match to resume. `counts`: documents per file, if known."""
+def checked_workers(shard_tokens: int, workers) -> int:
+    """--workers (None: this host's cores), once it, --shard_tokens and the vocabulary file are checked: before
+    any document is read or downloaded."""
+    workers = mp.cpu_count() if workers is None else workers
     if not 1 <= shard_tokens < 2**31:  # a header's count is an int32
         raise ValueError(f"--shard_tokens ({shard_tokens}) must be 1 to 2**31 - 1")
     if not 1 <= workers <= 4 * mp.cpu_count():
         raise ValueError(f"--workers ({workers}) must be 1 to 4 x this host's {mp.cpu_count()} cores")
     gpt2_encoding(verbose=False)  # a bad vocabulary file is one line here, not in every worker
+    return workers
+
+
+def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, workers: int,
+                 route: Callable[[int], str], split_of_shard: dict, settings: dict, counts: list = None) -> dict:
+    """Tokenize every document of `source` into shards; return the meta.json written. route(doc)
+    names a document's stream, split_of_shard[stream](n) the split of its n-th shard. `settings`
+    (whatever decides the output) must match to resume. `counts`: documents per file, if known.
+    checked_workers() has checked the options."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with preparing(out_dir):  # another preparation waits; a killed one's shard goes; a full disk is named
@@ -217,21 +207,20 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
         # Two blocks in flight at most, so memory stays bounded (pool.map alone would read all ahead). A
         # worker that dies (the out-of-memory killer) breaks this pool: multiprocessing.Pool lost its task, a hang.
         pool = ProcessPoolExecutor(workers, mp.get_context("spawn"), initializer=_start_worker)
-        with sigterm_unwinds():
-            try:
-                pending, docs = [], documents()
-                for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
-                    pending.append(pool.map(_encode, block, chunksize=16))
-                    if len(pending) == 2:
-                        take(pending.pop(0))
-                for result in pending:
-                    take(result)
-            except BrokenProcessPool:
-                raise RunError("a tokenizing process was killed (the out-of-memory killer?): run the same command "
-                               "again, which goes on from the last shard written (fewer --workers use less memory)"
-                               ) from None
-            finally:
-                pool.shutdown(wait=not sys.exc_info()[0], cancel_futures=True)  # on an error: no chunk more starts
+        try:
+            pending, docs = [], documents()
+            for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
+                pending.append(pool.map(_encode, block, chunksize=16))
+                if len(pending) == 2:
+                    take(pending.pop(0))
+            for result in pending:
+                take(result)
+        except BrokenProcessPool:
+            raise RunError("a tokenizing process was killed (the out-of-memory killer?): run the same command "
+                           "again, which goes on from the last shard written (fewer --workers use less memory)"
+                           ) from None
+        finally:
+            pool.shutdown(wait=not sys.exc_info()[0], cancel_futures=True)  # on an error: no chunk more starts
         bar.close()
         return _finish(source, out_dir, streams, counts, settings, shard_tokens, on_shard)
 
@@ -280,6 +269,9 @@ def finished(out_dir, settings: dict):
     if other:
         raise ValueError(f"{out_dir} already holds a dataset prepared with other settings ({other}): remove it "
                          f"or choose another --out_dir")
+    if type(meta.get("documents")) is not int:  # (edited by hand: the scripts print it)
+        raise ValueError(f"{out_dir / 'meta.json'}: documents is {meta.get('documents')!r}, not a count: remove "
+                         f"{out_dir} and prepare again")
     _check_shards(out_dir, meta["shards"]["train"] + meta["shards"]["val"])
     print(f"{out_dir} is already prepared ({meta['train_tokens'] + meta['val_tokens']:,} tokens)")
     return meta
@@ -291,7 +283,8 @@ def differs(made, settings: dict) -> str:
     def same(key, value):
         if key == "file_sizes" and key not in made or made.get(key) == value:
             return True
-        return key == "files" and isinstance(made[key], list) and [os.path.abspath(str(f)) for f in made[key]] == value
+        return key == "files" and isinstance(made.get(key), list) and \
+            [os.path.abspath(str(f)) for f in made[key]] == value
     labels = {"files": "input files", "file_sizes": "input file sizes"}
     return ", ".join(labels.get(k, k) for k, v in settings.items() if not same(k, v)) if isinstance(made, dict) \
         else "none recorded"

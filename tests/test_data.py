@@ -5,6 +5,7 @@ import importlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -618,11 +619,16 @@ def test_a_second_preparation_into_a_folder_waits_for_the_first_and_a_killed_one
     corpus.write_text(TEXT)
     fd = os.open(out, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)  # the first preparation, still writing
-    proc = subprocess.Popen([sys.executable, script, f"--input={corpus}", f"--out_dir={out}", *extra], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    waited = next((line for line in proc.stdout if line.startswith("waiting for another preparation")), None)
-    assert waited == f"waiting for another preparation into {out} to finish\n", proc.stderr.read()
-    assert [p.name for p in out.iterdir()] == [".train.bin.0123456789ab.tmp"]  # untouched while it waits
+    for stop in (True, False):  # SIGTERM while it waits: one line, 143 (a shard prepare ended silently, -15)
+        proc = subprocess.Popen([sys.executable, script, f"--input={corpus}", f"--out_dir={out}", *extra],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        waited = next((line for line in proc.stdout if line.startswith("waiting for another preparation")), None)
+        assert waited == f"waiting for another preparation into {out} to finish\n", proc.stderr.read()
+        assert [p.name for p in out.iterdir()] == [".train.bin.0123456789ab.tmp"]  # untouched while it waits
+        if stop:
+            proc.send_signal(signal.SIGTERM)
+            err = proc.communicate(timeout=60)[1]
+            assert proc.returncode == 143 and err == "error: interrupted (SIGTERM)\n", (proc.returncode, err)
     os.close(fd)
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 0 and (out / "meta.json").is_file() and not list(out.glob(".*")), err

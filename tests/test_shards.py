@@ -392,18 +392,18 @@ def test_a_tokenizing_worker_leaves_ctrl_c_to_the_main_process_and_reports_a_fai
 
 
 def test_sigterm_unwinds_only_where_a_handler_can_be_set():
-    """(the pool's SIGTERM handler: prepare() called from a thread raised "signal only works in main thread")"""
+    """(a prepare's SIGTERM handler: prepare() called from a thread raised "signal only works in main thread")"""
     import signal
     import threading
 
-    from data import streaming
+    from errors import sigterm_unwinds
     before, seen = signal.getsignal(signal.SIGTERM), []
-    with streaming.sigterm_unwinds():
+    with sigterm_unwinds():
         assert signal.getsignal(signal.SIGTERM) not in (before, signal.SIG_DFL)
     assert signal.getsignal(signal.SIGTERM) == before
 
     def in_a_thread():
-        with streaming.sigterm_unwinds():
+        with sigterm_unwinds():
             seen.append(signal.getsignal(signal.SIGTERM))
     thread = threading.Thread(target=in_a_thread)
     thread.start()
@@ -470,8 +470,12 @@ def test_a_prepare_takes_up_only_its_own_settings_and_its_shards_as_written(tmp_
     write_llm_c_shard(tmp_path / "x_train_000001.bin", np.arange(5000))
     write_llm_c_shard(tmp_path / "x_val_000000.bin", np.arange(3000))
     listing(tmp_path)
-    (tmp_path / "meta.json").write_text(json.dumps({**json.loads((tmp_path / "meta.json").read_text()),
-                                                    "prepared_with": settings}))
+    meta = {**json.loads((tmp_path / "meta.json").read_text()), "prepared_with": settings, "documents": 7}
+    (tmp_path / "meta.json").write_text(json.dumps({**meta, "documents": "7"}))  # edited by hand (were tracebacks)
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'meta.json'}: documents is '7', not a count: remove "):
+        streaming.finished(tmp_path, settings)
+    assert streaming.differs({k: v for k, v in settings.items() if k != "files"}, settings) == "input files"
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
     assert streaming.finished(tmp_path, settings)["train_tokens"] == 5000
     assert capsys.readouterr().out == f"{tmp_path} is already prepared (8,000 tokens)\n"
     with pytest.raises(ValueError) as other:
@@ -531,6 +535,10 @@ def test_a_wrong_vocabulary_file_is_one_line_and_not_a_hang(corpus, tmp_path, mo
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {junk} (from $GPT2_TIKTOKEN_FILE; should be "
                                                            f"GPT-2's gpt2.tiktoken"), proc.stderr
     assert proc.stderr.count("\n") == 1
+    # openwebtext checks it before it counts every document (it reported this file's bad line first)
+    (tmp_path / "bad.jsonl").write_text('{"text": 1}\n')
+    proc = prepare("openwebtext", f"--input={tmp_path / 'bad.jsonl'}", f"--out_dir={tmp_path / 'owt'}", timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {junk} (from $GPT2_TIKTOKEN_FILE"), proc.stderr
     # a worker that cannot load it fails its task (the main process reports it) and is not restarted
     monkeypatch.setattr(streaming, "_encoder", None)
     streaming._start_worker()

@@ -15,7 +15,6 @@ point, the same command continues from the last complete shard. sample-10BT need
 for the shards and 2-3 GB for one downloaded file at a time.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ if __package__ in (None, ""):  # run as a script: make `data` importable from th
 
 from data.corpora import errors_exit_2
 from data.documents import hub_files, hub_source, local_source
-from data.streaming import finished, recorded, shard_arguments, write_shards
+from data.streaming import checked_workers, finished, recorded, shard_arguments, write_shards
 
 PREPARE_IN_TRAIN = False  # hours of downloading: train.py asks for this script to be run first
 REPO_ID = "HuggingFaceFW/fineweb-edu"
@@ -38,11 +37,12 @@ def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, subset="sample-10
     # a finished folder is checked before the hub is asked for its files (a rerun offline too)
     meta = finished(out_dir, recorded(settings, "fineweb", shard_tokens, local))
     if meta is None:
+        workers = checked_workers(shard_tokens, workers)
         # sample-10BT lives in sample/10BT/, a dump in data/
         folder = f"sample/{subset.removeprefix('sample-')}/" if subset.startswith("sample-") else f"data/{subset}/"
         source = local or hub_source(repo_id, hub_files(repo_id, revision, folder, "check --subset"), revision,
                                      out_dir / ".download")
-        meta = write_shards(source, out_dir, "fineweb", shard_tokens, os.cpu_count() if workers is None else workers,
+        meta = write_shards(source, out_dir, "fineweb", shard_tokens, workers,
                             route=lambda doc: "stream",
                             split_of_shard={"stream": lambda n: "val" if n == 0 else "train"},
                             settings=settings)

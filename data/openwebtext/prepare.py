@@ -15,7 +15,6 @@ point, the same command continues from the last complete shards.
 """
 
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from data.corpora import errors_exit_2
 from data.documents import count_documents, hub_files, hub_source, local_source
-from data.streaming import finished, read_progress, recorded, shard_arguments, write_shards
+from data.streaming import checked_workers, finished, read_progress, recorded, shard_arguments, write_shards
 
 PREPARE_IN_TRAIN = False  # hours of downloading: train.py asks for this script to be run first
 REPO_ID = "Skylion007/openwebtext"
@@ -48,14 +47,14 @@ def prepare(out_dir=None, input_pattern=None, repo_id=REPO_ID, revision="main", 
     # a finished folder is checked before the hub is asked for its files or a document is counted
     meta = finished(out_dir, recorded(settings, "openwebtext", shard_tokens, local))
     if meta is None:
+        workers = checked_workers(shard_tokens, workers)  # (before every document is counted)
         hint = "pass --revision (a branch with the parquet conversion) or --input"
         source = local or hub_source(repo_id, hub_files(repo_id, revision, "", hint), revision, out_dir / ".download")
         counts = read_progress(out_dir)["counts"]
         if len(counts) != len(source.names):  # the split needs the number of documents up front
             counts = [count_documents(source.fetch(i)) for i in range(len(source.names))]
         val = val_documents(sum(counts))
-        meta = write_shards(source, out_dir, "openwebtext", shard_tokens,
-                            os.cpu_count() if workers is None else workers,
+        meta = write_shards(source, out_dir, "openwebtext", shard_tokens, workers,
                             route=lambda doc: "val" if doc in val else "train",
                             split_of_shard={"val": lambda n: "val", "train": lambda n: "train"},
                             settings=settings, counts=counts)
