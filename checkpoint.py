@@ -11,6 +11,7 @@ import errno
 import fcntl
 import json
 import os
+import socket
 import sys
 import tempfile
 import zipfile
@@ -21,7 +22,7 @@ import torch
 
 from config import Config
 import sharded
-from collectives import on_rank0
+from collectives import agree_or_raise, on_rank0
 from data.dataset import has_shards
 from data.files import (atomic_write, disk_full, link_or_copy, lock_note, read_json, remove_stale_temporaries,
                         tensor_bytes)
@@ -67,7 +68,8 @@ def locked_out_dir(out_dir, world):
     created = world.is_master and not out_dir.exists()
     if world.is_master:
         try:
-            inside = next((p for p in Path(os.path.realpath(out_dir)).parents if p.suffix == ".dcp"), None)
+            real = Path(os.path.realpath(out_dir))  # (a checkpoint itself too: its files went at the next save)
+            inside = next((p for p in (real, *real.parents) if p.suffix == ".dcp"), None)
             if inside or (out_dir / "train.bin").exists() or has_shards(out_dir):  # its files would go, or be replaced
                 raise ConfigError(f"{out_dir} is " + (f"inside the checkpoint {inside}, which a save replaces" if inside
                                   else "a dataset folder, whose meta.json the run writes") + ": choose another --out_dir")
@@ -299,4 +301,25 @@ def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
         ckpt = on_rank0(lambda: load(Path(path), model_args, cfg, meta), world, ("model", "optimizer", "log"))
         restore(ckpt)
         return ckpt
-    return read_first(on_rank0(lambda: [str(p) for p in find(cfg)], world), use, world.is_master)
+    paths = on_rank0(lambda: [str(p) for p in find(cfg)], world)
+    if cfg.resume == "auto" and world.size > 1:  # an out_dir each host keeps: does rank 0's hold the newest?
+        agree_or_raise(newer_than_rank0(cfg, world, on_rank0(lambda: newest_step(paths), world)), world)
+    return read_first(paths, use, world.is_master)
+
+
+def newest_step(paths: list) -> int:
+    """The step of the newest readable checkpoint among `paths`, or -1."""
+    steps = [read(Path(p), tensors=False)["step"] for p in paths if readable(Path(p))]
+    return max((step for step in steps if type(step) is int), default=-1)
+
+
+def newer_than_rank0(cfg: Config, world, rank0_step: int):
+    """Why this host's own out_dir holds a newer checkpoint than rank 0's, or None. (A c10d rendezvous
+    may make another host's process rank 0 on a relaunch: the run started again from step 0.)"""
+    own = [] if world.is_master or world.local_rank else newest([Path(cfg.out_dir) / "last.pt", Path(cfg.out_dir) /
+                                                                 "last.dcp"])
+    mine = newest_step(own)
+    return None if mine <= rank0_step else (
+        f"{own[0]} on {socket.gethostname()} (rank {world.rank}) is of step {mine}, but rank 0's out_dir holds "
+        f"{f'step {rank0_step}' if rank0_step >= 0 else 'none'}: launch that host's processes as ranks 0.. again "
+        f"(torchrun --node_rank=0), or copy its out_dir to rank 0's host")

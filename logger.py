@@ -112,7 +112,7 @@ class Logger:
                     f", max_iters={cfg.max_iters}: nothing is left to train (raise --max_iters to go on)")
         elif is_pretrained(cfg.init_from):
             log.say(f"weights from {cfg.init_from}: {run.model_args['n_layer']} layers, {run.model_args['n_head']} "
-                    f"heads, {run.model_args['n_embd']} wide, positions cropped to {cfg.block_size}")
+                    f"heads, {run.model_args['n_embd']} wide, its first {cfg.block_size} positions")
         return log
 
     def write_run_files(self, cfg, meta: dict, run_info: dict):

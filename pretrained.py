@@ -13,6 +13,7 @@ other hosts need no copy (eval.py loads on every rank).
 """
 
 import functools
+import os
 from contextlib import suppress
 from pathlib import Path
 
@@ -214,7 +215,9 @@ def resumed_shape(cfg):
     for path in checkpoint.find(cfg):
         try:
             saved = checkpoint.read(path, tensors=False)
-            same = saved["config"]["init_from"] == cfg.init_from
+            start = saved["config"]["init_from"]  # (a folder: by its path, however it is spelled)
+            same = start == cfg.init_from or cfg.init_from not in RELEASED and os.path.realpath(start) == \
+                os.path.realpath(cfg.init_from)
             return {k: saved["model_args"][k] for k in ("n_layer", "n_head", "n_embd")} if same else None
         except (ConfigError, LookupError, TypeError):  # unreadable or not one of ours: the next one
             continue
@@ -291,7 +294,7 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
     def build(path):
         ckpt = checkpoint.read(path)
         try:
-            config = GPTConfig(**{**ckpt["model_args"], "dropout": 0.0})
+            config = GPTConfig(**ckpt["model_args"])  # (its dropout: eval mode applies none; an export records it)
             held = sum(v.numel() for k, v in ckpt["model"].items() if k != "lm_head.weight")  # (wte's, tied)
             if config.n_params != held:  # before building it: an edited shape could ask for terabytes
                 raise ValueError(f"its model_args describe {config.n_params:,} parameters, its weights hold {held:,}")

@@ -7,6 +7,7 @@ unpickler that builds only DCP's metadata classes, so a crafted file cannot run 
 import hashlib
 import io
 import json
+import math
 import os
 import pickle
 import shutil
@@ -75,7 +76,7 @@ def _reader(path: Path):
 
 
 def _reason(e: BaseException, out_dir: Path = None, need: int = 0) -> str:
-    """One line for a failed DCP save (in out_dir, `need` bytes a rank) or load: the lowest
+    """One line for a failed DCP save (in out_dir, `need` bytes in all) or load: the lowest
     failing rank's own exception."""
     failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, trace)}
     rank, exc = min(failures.items(), key=lambda item: item[0]) if failures else (None, (e, None))
@@ -103,9 +104,11 @@ def parts(path: Path):
         for info in metadata.storage_data.values():  # (the classes are DCP's; their values may be anything)
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
         tensors_ok = all(isinstance(m.size, torch.Size) and isinstance(m.properties.dtype, torch.dtype)
+                         and sum(math.prod(c.sizes) for c in m.chunks) == m.size.numel()  # (no part left unread)
+                         and all(o + n <= d for c in m.chunks for o, n, d in zip(c.offsets, c.sizes, m.size))
                          for m in metadata.state_dict_metadata.values())
         if not tensors_ok or not all(isinstance(name, str) and Path(name).name == name for name in ends):
-            raise ValueError("a tensor's entry is not a size, a dtype and a file in the folder")
+            raise ValueError("a tensor's entry is not a size, a dtype, the chunks of it and a file in the folder")
     except Exception as e:
         raise unreadable(f"its metadata is damaged ({type(e).__name__}: {first_line(e)})") from None
     for name, end in sorted(ends.items()):
@@ -137,7 +140,7 @@ def read(path: Path, tensors: bool) -> dict:
     if not tensors:
         return {**state, "model": None, "optimizer": None, "sharded": True}
     try:  # (a resume checks run.json against the model first; here a hand edit may reach this far)
-        flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()}
+        flat = {k: torch.zeros(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()}
         load(path, flat)
         model = {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
         model["lm_head.weight"] = model["transformer.wte.weight"]  # tied: saved once

@@ -139,8 +139,7 @@ class Run:
     def load_state_dict(self, ckpt: dict):
         """Every rank calls it. File format: only rank 0's ckpt holds the tensors (the others'
         are None). Sharded: every rank reads its own part, resharded to this world by DCP."""
-        chosen = [{k: g[k] for k in ("weight_decay", "betas", "foreach", "fused", "capturable", "differentiable")}
-                  for g in self.optimizer.param_groups]
+        chosen = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         if ckpt.get("sharded"):  # every rank loads its own shards: resume=auto, from its own out_dir (by host)
             path = Path(self.cfg.out_dir) / Path(ckpt["path"]).name if self.cfg.resume == "auto" else ckpt["path"]
             sharded.load_run(Path(path), self.raw_model, self.optimizer, ckpt, self.world)
@@ -188,14 +187,15 @@ class Run:
         if self.pending is None:
             self.saved = (last.name, self.step, True)
 
-    def wait_for_save(self):
-        """Every rank: wait for the background save in flight, if any; all stop if it failed."""
+    def wait_for_save(self) -> tuple:
+        """Every rank: wait for the background save in flight (all stop if it failed); saved, up to date."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
             failure = pending.failure(wait=True)
             if any_rank(failure is not None, self.world):
                 raise CheckpointNotWritten(pending.step, first_error(failure, self.world), self.saved)
             self.saved = ("last.dcp", pending.step, True)
+        return self.saved
 
     def close(self):
         """At the end, failed or not, a background save finishes (and may commit): else its part is unwritten."""
@@ -251,7 +251,8 @@ def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
               for split, (tokens, starts) in run.eval_sets.items()}
     run.val_loss = losses["val"]
     if not math.isfinite(run.val_loss):
-        raise Diverged(f"the validation loss is {run.val_loss} at step {run.step}", cfg.learning_rate, run.saved)
+        raise Diverged(f"the validation loss is {run.val_loss} at step {run.step}", cfg.learning_rate,
+                       run.wait_for_save())
     improved, run.best_val_loss = run.val_loss < run.best_val_loss, min(run.best_val_loss, run.val_loss)
     log.log({"step": run.step, "train_eval_loss": losses["train"], "val_loss": run.val_loss,
              "tokens_seen": run.step * cfg.tokens_per_step},
@@ -292,19 +293,19 @@ def train(cfg: Config, world: World, dataset: Dataset) -> dict:
 
             at_log = run.step % cfg.log_interval == 0 or run.step == cfg.max_iters
             if at_log or agree.due(run.step, stop.received):  # a stop waits about 2 s, or 10 quick steps
-                # one all-reduce: the loss over ranks, any rank's stop signal, bad token id, log
-                # failure or failed background save
+                # one all-reduce: the loss, any rank's stop signal, bad token id, log failure, failed background save
                 loss, signum, (bad_tokens, log_failure, save_failure) = agree(
                     step_loss, stop.received, [run.loader.tokens.bad, log.failure,
                                                run.pending and run.pending.failure(wait=False)], run.step)
                 if bad_tokens:
                     raise ConfigError(bad_tokens)
                 if log_failure:
-                    raise LogNotWritten(log_failure, run.saved)
+                    raise LogNotWritten(log_failure, run.wait_for_save())
                 if save_failure:
                     raise CheckpointNotWritten(run.pending.step, save_failure, run.saved)
                 if not math.isfinite(loss):
-                    raise Diverged(f"the training loss is {loss} at step {run.step}", cfg.learning_rate, run.saved)
+                    raise Diverged(f"the training loss is {loss} at step {run.step}", cfg.learning_rate,
+                                   run.wait_for_save())
                 if at_log:
                     log.train_step(run.step, loss, lr, grad_norm)
                 if signum and run.step < cfg.max_iters:  # the last step still evaluates and saves

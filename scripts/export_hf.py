@@ -16,8 +16,10 @@ bias=False gets zero biases, which compute the same. Bad input: one line on stde
 
 import json
 import os
+import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +43,10 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
     model of GPT-2's BPE, the tokenizer files. They are made in a temporary folder inside it, then
     moved in: a failure (a full disk, a damaged vocabulary file) leaves what was there as it was."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    stale = ("pytorch_model.bin", "tokenizer.json", "generation_config.json") + TOKENIZER_FILES * (not gpt2_tokenizer)
+    for name in ("config.json", "model.safetensors", *TOKENIZER_FILES, *stale):  # (else some were replaced first)
+        if (folder / name).is_dir() and not (folder / name).is_symlink():
+            raise ConfigError(f"{folder / name} is a folder, where the export writes or removes a file: move it away")
     cfg, eot = model.config, GPT2_EOT if gpt2_tokenizer else None  # (a character model has no end-of-text id)
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
               "n_positions": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
@@ -49,7 +54,7 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
               "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
               "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
               "tie_word_embeddings": True, "bos_token_id": eot, "eos_token_id": eot}
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as tmp:
+    with made_for(folder), tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as tmp:
         weights = save(pretrained.gpt2_to_hf(model), metadata={"format": "pt"})
         atomic_write_bytes(Path(tmp, "model.safetensors"), weights)
         atomic_write_bytes(Path(tmp, "config.json"), (json.dumps(config, indent=1) + "\n").encode())
@@ -57,11 +62,22 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
             write_gpt2_tokenizer_files(tmp, cfg.block_size)
         for made in sorted(Path(tmp).iterdir()):
             os.replace(made, folder / made.name)
-    # files an earlier export or download left there would describe another model (or tokenizer)
-    stale = ("pytorch_model.bin", "tokenizer.json", "generation_config.json") + TOKENIZER_FILES * (not gpt2_tokenizer)
-    for name in stale:
+    for name in stale:  # an earlier export's or download's files would describe another model (or tokenizer)
         (folder / name).unlink(missing_ok=True)
     fsync_dir(folder)
+
+
+@contextmanager
+def made_for(folder: Path):
+    """Make folder (and its parents) for the export, and remove those it made if the export fails."""
+    first = next((p for p in reversed((folder, *folder.parents)) if not p.exists()), None)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        if first is not None:
+            shutil.rmtree(first, ignore_errors=True)
+        raise
 
 
 def main(argv=None):

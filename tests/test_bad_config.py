@@ -482,11 +482,13 @@ def test_train_spawn_exits_as_its_rank_did(char_data, tmp_path, script, monkeypa
     assert proc.returncode == expected and proc.stderr == said, (proc.returncode, proc.stderr)
 
 
-def _train_rank_recording_config_errors(rank, world_size, args, damage_on_rank1=True, rank1_args=()):
-    """ranks_say: train.main on each rank (rank1_args added on rank 1)."""
+def _train_rank_recording_config_errors(rank, world_size, args, damage_on_rank1=True, rank1_args=(), rank1_env=None):
+    """ranks_say: train.main on each rank (rank1_args added on rank 1, and rank1_env to its environment)."""
     import loader
     import train
     from config import resolve
+    if rank == 1:
+        os.environ.update(rank1_env or {})
     if rank == 1 and damage_on_rank1:  # this host's copy of the data turns out damaged once prepared
         def damaged(data_dir, meta):
             raise ValueError(f"{data_dir}/train.bin is damaged on rank 1's host")
@@ -509,6 +511,21 @@ def test_data_found_bad_after_preparing_on_one_host_stops_every_rank(char_data, 
     assert (tmp_path / "rank1.txt").read_text() == f"{fresh}/train.bin is damaged on rank 1's host"
     assert (tmp_path / "rank0.txt").read_text() == "the dataset check failed on another rank: see its message"
     assert nothing_written(tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_a_relaunch_whose_rank_0_is_on_a_host_without_the_newest_checkpoint_stops(char_data, tmp_path):
+    """Each host its own out_dir (the file format allows it), and a c10d rendezvous that made another host's
+    process rank 0 this time: the run started again from step 0, beside the other host's newer last.pt."""
+    import socket
+    from harness import train_here
+    train_here(char_data, tmp_path / "host_b", max_iters=2, eval_interval=2)
+    args = tiny_args(char_data, tmp_path / "host_a", resume="auto", max_iters=4, eval_interval=2, dist_timeout=60)
+    said = ranks_say(_train_rank_recording_config_errors, 2, tmp_path, args, False,
+                     [f"--out_dir={tmp_path / 'host_b'}"], {"LOCAL_RANK": "0"})  # (rank 1: host B's first process)
+    assert said == [f"{tmp_path / 'host_b' / 'last.pt'} on {socket.gethostname()} (rank 1) is of step 2, but rank 0's "
+                    f"out_dir holds none: launch that host's processes as ranks 0.. again (torchrun --node_rank=0), "
+                    f"or copy its out_dir to rank 0's host"] * 2, said
 
 
 def test_a_prepare_at_start_up_that_fails_is_one_line_naming_the_dataset(tmp_path, monkeypatch, capsys):
@@ -617,6 +634,8 @@ def test_an_out_dir_in_a_sharded_checkpoint_or_a_dataset_folder_is_refused(char_
     before = {p.name: p.read_bytes() for p in data.iterdir()}
     for out, why in ((tmp_path / "run" / "last.dcp" / "sub", f"inside the checkpoint {tmp_path / 'run' / 'last.dcp'}, "
                                                              f"which a save replaces"),
+                     (tmp_path / "run" / "last.dcp", f"inside the checkpoint {tmp_path / 'run' / 'last.dcp'}, "
+                                                     f"which a save replaces"),  # (itself: it was taken)
                      (data, "a dataset folder, whose meta.json the run writes")):
         proc = script("train.py", *tiny_args(char_data, out))
         assert proc.returncode == 2 and proc.stderr == f"error: {out} is {why}: choose another --out_dir\n", proc.stderr

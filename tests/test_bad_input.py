@@ -20,13 +20,17 @@ from harness import raising, small_disk, tiny_args, train_here
 from model import GPT
 
 
-@pytest.mark.parametrize("poisoned_at, stop, says", [(6, False, "training loss is nan at step 7"),
+@pytest.mark.parametrize("poisoned_at, stop, says, last", [(6, False, "training loss is nan at step 7", "last.pt"),
                                                       # the step's eval sees it before its checkpoint is written
-                                                      (8, False, "validation loss is nan at step 8"),
+                                                      (8, False, "validation loss is nan at step 8", "last.pt"),
                                                       # a stop's checkpoint, off the eval steps: the save checks
-                                                      (6, True, "weights hold NaN or inf at step 6")])
+                                                      (6, True, "weights hold NaN or inf at step 6", "last.pt"),
+                                                      # step 4's background save had completed (it said "no
+                                                      # checkpoint of this run was written yet")
+                                                      (6, False, "training loss is nan at step 7", "last.dcp"),
+                                                      (8, False, "validation loss is nan at step 8", "last.dcp")])
 def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint(char_data, tmp_path, monkeypatch,
-                                                                                 poisoned_at, stop, says):
+                                                                                 poisoned_at, stop, says, last):
     # a hook outside train.py's loop: the optimizer's step `poisoned_at` leaves a NaN in the weights,
     # as an overflow would
     configure = GPT.configure_optimizers
@@ -49,11 +53,11 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoin
         return optimizer
 
     monkeypatch.setattr(GPT, "configure_optimizers", poisoned)
-    with pytest.raises(RunError, match=rf"{says}\..*learning_rate=0.003.*"
-                                              r"last\.pt holds step 4, the last good one \(resume=auto continues "
-                                              r"from it\)\.$"):
-        train_here(char_data, tmp_path, max_iters=20, eval_interval=4)
-    ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
+    with pytest.raises(RunError, match=rf"{says}\..*learning_rate=0.003.*{re.escape(last)} holds step 4, the last "
+                                       r"good one \(resume=auto continues from it\)\.$"):
+        train_here(char_data, tmp_path, max_iters=20, eval_interval=4,
+                   **(dict(checkpoint_format="sharded", async_checkpoint=True) if last == "last.dcp" else {}))
+    ckpt = checkpoint.read(tmp_path / last, tensors=True)
     assert ckpt["step"] == 4 and all(torch.isfinite(w).all() for w in ckpt["model"].values())
     assert not list(tmp_path.glob(".*.tmp"))
 
@@ -120,6 +124,20 @@ def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained
     assert [torch.load(out / f"{k}.pt", weights_only=True)["step"] for k in ("previous", "last")] == [5, 10]
     # AdamW as this run set it, not as the checkpoint tried first held it (the NaN one's groups stayed)
     assert torch.load(out / "last.pt", weights_only=True)["optimizer"]["param_groups"][0]["weight_decay"] == 0.05
+
+
+def test_adamw_resumes_as_this_run_sets_it_whatever_the_checkpoint_says(char_data, tmp_path):
+    """Options a hand edit put in param_groups went on into AdamW: amsgrad a KeyError's traceback at the
+    first step, maximize a loss that rose. A resume sets every option but the parameters itself."""
+    train_here(char_data, tmp_path / "straight", max_iters=6, eval_interval=2)
+    edited = torch.load(tmp_path / "straight" / "previous.pt", weights_only=True)  # step 4
+    assert edited["step"] == 4
+    for group in edited["optimizer"]["param_groups"]:
+        group.update(amsgrad=True, maximize=True, eps=0.5)
+    torch.save(edited, tmp_path / "edited.pt")
+    train_here(char_data, tmp_path / "resumed", max_iters=6, eval_interval=2, resume=str(tmp_path / "edited.pt"))
+    resumed, straight = (torch.load(tmp_path / run / "last.pt", weights_only=True) for run in ("resumed", "straight"))
+    assert all(torch.equal(resumed["model"][k], w) for k, w in straight["model"].items())
 
 
 def test_a_last_pt_linked_to_nothing_is_reported_not_skipped(trained_copy, char_data, capsys):

@@ -338,6 +338,22 @@ def test_a_probe_file_rank_0_cannot_write_stops_every_rank_with_its_reason(tmp_p
 
 
 @pytest.mark.slow
+def test_a_sharded_save_of_two_ranks_onto_a_disk_too_small_says_so(char_data, tmp_path):
+    """A disk too small for the checkpoint, not for a rank's shard: it said "make out_dir writable" (the
+    space the save needed was taken to be one rank's shard, and more than that was free)."""
+    import subprocess
+    from harness import REPO, args_for, child_env, run, torchrun
+    args = dict(strategy="fsdp", checkpoint_format="sharded", max_iters=2, eval_interval=2)
+    run(torchrun(args_for(char_data, tmp_path / "whole", **args)))
+    size = sum(f.stat().st_size for f in (tmp_path / "whole" / "last.dcp").iterdir())
+    with small_disk(tmp_path / "disk", f"{size // 2 // 1024}k") as disk:  # (each rank writes about half)
+        proc = subprocess.run(torchrun(args_for(char_data, disk / "out", **args)), cwd=REPO, env=child_env(),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 1 and "No space left on device" in proc.stderr, proc.stderr
+        assert "free disk space or choose another out_dir, then relaunch" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
 def test_a_split_the_ranks_cannot_share_evenly_has_the_single_process_loss(tmp_path):
     """169 train windows on 2 ranks: rank 1 runs a spare forward (FSDP gathers weights in each), counted nowhere."""
     from harness import make_char_dataset, metrics

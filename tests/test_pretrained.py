@@ -213,7 +213,8 @@ def tiny_finetune(bpe_data, out_dir, hf_folder, **overrides):
 
 def test_max_iters_0_reports_the_pretrained_val_loss(tmp_path, bpe_data, hf_folder, train):
     proc = train(tiny_finetune(bpe_data, tmp_path / "out", hf_folder, max_iters=0, block_size=64))  # every position
-    assert f"weights from {hf_folder}" in proc.stdout
+    assert f"weights from {hf_folder}: 2 layers, 2 heads, 32 wide, its first 64 positions\n" in proc.stdout  # (it
+    # said "positions cropped to 64", of 64)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "val_loss" in r]
     assert len(evals) == 1 and evals[0]["step"] == 0
@@ -243,7 +244,8 @@ def test_fine_tuning_on_two_ranks_starts_from_the_folder_and_resumes_exactly(tmp
     start = gpt2_from_hf(hf_model().state_dict(), GPT(GPTConfig(**{**HF_SHAPE_OURS, "block_size": 32})))
     moved = max((first[k] - start[k]).abs().max().item() for k in start)
     assert 0 < moved < 1e-2  # two small steps away from the folder's weights
-    printed = finetune(tmp_path / "split", gone, max_iters=4, resume="auto", lr_decay_iters=4)
+    printed = finetune(tmp_path / "split", f"{gone}/", max_iters=4, resume="auto", lr_decay_iters=4)  # (spelled
+    # otherwise: it was "no Hugging Face GPT-2 model there")
     assert "resuming from" in printed and "weights from" not in printed
     whole = checkpoint.read(tmp_path / "whole" / "last.pt")["model"]
     split = checkpoint.read(tmp_path / "split" / "last.pt")["model"]
@@ -368,7 +370,7 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data, trai
     """A model without biases and with a padded vocabulary: both must be undone for GPT-2's format."""
     out = tmp_path / "out"
     train(tiny_args(bpe_data, out, dataset="shakespeare", max_iters=3, eval_interval=3, bias=False,
-                    pad_vocab_to=64, block_size=32))
+                    pad_vocab_to=64, block_size=32, dropout=0.1))
     synced = []  # what the folder held at each fsync of it
     monkeypatch.setattr(data.files, "fsync_dir", lambda d: synced.append((Path(d), sorted(os.listdir(d)))))
     proc = script("scripts/export_hf.py", f"--out_dir={out}", f"--to={tmp_path / 'hf'}")
@@ -384,6 +386,7 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data, trai
     x = ids(n=32)
     assert hf.config.vocab_size == 50257 and hf.config.n_positions == 32
     assert hf.config.bos_token_id == hf.config.eos_token_id == 50256  # GPT-2 BPE's end of text
+    assert hf.config.resid_pdrop == hf.config.embd_pdrop == hf.config.attn_pdrop == 0.1  # as trained (it said 0.0)
     assert (full_logits(ours, x) - hf_logits(hf, x)).abs().max().item() < 1e-5
     # and back in: the exported folder is a valid init_from
     again = pretrained.load_gpt(str(tmp_path / "hf"))
@@ -397,6 +400,16 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data, trai
     fails_with(["scripts/export_hf.py", f"--out_dir={out}", "--checkpoint=last", f"--to={tmp_path / 'hf'}"],
                "cannot write GPT-2's tokenizer files:", "sha256")
     assert {f.name: f.read_bytes() for f in (tmp_path / "hf").iterdir()} == before
+    fails_with(["scripts/export_hf.py", f"--out_dir={out}", f"--to={tmp_path / 'new' / 'deeper'}"], "sha256")
+    assert not (tmp_path / "new").exists()  # the folders made for it go too (they were left, empty)
+    # a folder at one of the names: refused before any file is replaced (it replaced three, then stopped)
+    (tmp_path / "hf" / "vocab.json").unlink()
+    (tmp_path / "hf" / "vocab.json").mkdir()
+    monkeypatch.setattr(data.tokenizers, "REPO_COPY", REPO_COPY)
+    before = {f.name: f.read_bytes() for f in (tmp_path / "hf").iterdir() if f.is_file()}
+    fails_with(["scripts/export_hf.py", f"--out_dir={out}", "--checkpoint=last", f"--to={tmp_path / 'hf'}"],
+               f"{tmp_path / 'hf' / 'vocab.json'} is a folder, where the export writes or removes a file: move it away")
+    assert {f.name: f.read_bytes() for f in (tmp_path / "hf").iterdir() if f.is_file()} == before
 
 
 def test_exported_tokenizer_files_encode_as_tiktoken(tmp_path):

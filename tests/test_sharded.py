@@ -101,17 +101,25 @@ def test_metadata_pickled_under_python_3_13_reads(sharded, monkeypatch):
     assert _MetadataUnpickler(io.BytesIO(data)).load().storage_meta.checkpoint_id == metadata.storage_meta.checkpoint_id
 
 
-def test_metadata_naming_a_part_outside_its_folder_is_damaged(sharded, tmp_path):
-    """(A crafted .metadata that named previous.dcp's part read step 8's tensors under step 12's run.json.)"""
+@pytest.mark.parametrize("edit", ["a part outside", "a chunk dropped", "a chunk past the end"])
+def test_metadata_naming_a_part_outside_its_folder_or_not_all_of_a_tensor_is_damaged(sharded, tmp_path, edit):
+    """(A crafted .metadata that named previous.dcp's part read step 8's tensors under step 12's run.json;
+    one whose chunks left part of a tensor unread loaded torch.empty's garbage there.)"""
     from sharded import parts
     out = Path(shutil.copytree(sharded, tmp_path / "out"))
     with open(out / "last.dcp" / ".metadata", "rb") as f:
         metadata = _MetadataUnpickler(f).load()
     for info in metadata.storage_data.values():
-        info.relative_path = f"../previous.dcp/{info.relative_path}"
+        info.relative_path = f"../previous.dcp/{info.relative_path}" if edit == "a part outside" else \
+            info.relative_path
+    wte = metadata.state_dict_metadata["model.transformer.wte.weight"]
+    if edit == "a chunk dropped":
+        wte.chunks = wte.chunks[:-1]
+    elif edit == "a chunk past the end":
+        wte.chunks[0].offsets = torch.Size([1, 0])
     (out / "last.dcp" / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(UnreadableCheckpoint, match=r"its metadata is damaged \(ValueError: a tensor's entry is not a "
-                                                   r"size, a dtype and a file in the folder\)$"):
+                                                   r"size, a dtype, the chunks of it and a file in the folder\)$"):
         parts(out / "last.dcp")
 
 
@@ -181,7 +189,7 @@ def damage(kind: str, last: Path):
     ("metadata garbage", "its metadata is damaged"),
     ("metadata of other types", "its metadata is damaged (AttributeError: 'int' object has no attribute"),
     ("metadata naming a part by a number", "its metadata is damaged (ValueError: a tensor's entry is not a size, a "
-                                           "dtype and a file in the folder)"),
+                                           "dtype, the chunks of it and a file in the folder)"),
     ("run.json of another shape", "run.json does not hold a run's state"),
 ])
 def test_a_bad_sharded_checkpoint_is_one_line_and_auto_falls_back_to_previous(
