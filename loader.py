@@ -168,9 +168,10 @@ def read_dataset(cfg: Config, splits=("train", "val")) -> dict:
         longest = max(s.tokens for s in shards)  # a window never crosses a shard end
         if longest < needed:
             where = "" if len(shards) == 1 else " in its longest shard"
+            more = "more data" if len(shards) == 1 else "longer shards (a larger prepare.py --shard_tokens)"
             raise ConfigError(f"block_size ({cfg.block_size}) is too long for the {split} split of "
                               f"{data_dir} ({longest:,} tokens{where}; it needs {needed:,}): "
-                              f"use more data, or a model of a smaller block_size")
+                              f"use {more}, or a model of a smaller block_size")
     return meta
 
 

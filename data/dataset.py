@@ -130,7 +130,10 @@ def _prepare_again(data_dir, when: str = "again", meta: dict = None) -> str:
     source = meta.get("source") if isinstance(meta, dict) and isinstance(meta.get("source"), dict) else {}
     local = source.get("path") or source.get("input")  # (without it, a prepare fetches its default corpus)
     given = f" --input {shlex.quote(local)}" if isinstance(local, str) else ""
-    return f"prepare the dataset {when} ({command}{given} --out_dir {data_dir})"
+    made = meta.get("prepared_with") if isinstance(meta, dict) and isinstance(meta.get("prepared_with"), dict) else {}
+    given += f" --shard_tokens {made['shard_tokens']}" if type(made.get("shard_tokens")) is int else ""
+    first = f"remove {data_dir}, then " if made else ""  # (a shard prepare takes a finished folder as it is)
+    return f"{first}prepare the dataset {when} ({command}{given} --out_dir {data_dir})"
 
 
 def is_loose_shard(path: Path) -> bool:

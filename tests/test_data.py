@@ -181,6 +181,13 @@ def test_load_meta_names_the_missing_dataset_and_how_to_prepare_it(tmp_path, mon
     with pytest.raises(ValueError, match=r"uint16 tokens.*prepare the dataset again \(the dataset's prepare\.py "
                                          r"--input .*text\.txt --out_dir"):
         check_token_files(tmp_path / "shakespeare", meta)
+    # shards: the folder goes first (a shard prepare takes a finished one as it is) and --shard_tokens is kept (it
+    # was left out: that prepare refused "other settings (shard_tokens)")
+    from data.dataset import _prepare_again
+    shards = {"source": {"input": "/c/*.jsonl"}, "prepared_with": {"shard_tokens": 20}, "tokenizer": "gpt2"}
+    assert _prepare_again(REPO / "data" / "fineweb", meta=shards) == (
+        f"remove {REPO / 'data' / 'fineweb'}, then prepare the dataset again (python data/fineweb/prepare.py --input "
+        f"'/c/*.jsonl' --shard_tokens 20 --out_dir {REPO / 'data' / 'fineweb'})")
     import data.dataset
     monkeypatch.setattr(data.dataset, "__file__", str(tmp_path / "dataset.py"))  # tmp_path as the repo's data/
     (tmp_path / "mine").mkdir()

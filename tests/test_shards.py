@@ -649,6 +649,9 @@ def test_a_train_shard_whose_name_holds_val_is_not_validated_on(tmp_path):
     (lambda d: write_llm_c_shard(d / "x_train_000001.bin", np.arange(5000), version=7),
      "x_train_000001.bin: version 7 with magic 20240520, expected 1"),
     (seventeen_train_shards, "x_train_000017.bin: token id 60000 at position 0 is >= vocab_size 50257"),
+    (lambda d: [write_llm_c_shard(d / f"x_train_{i:06d}.bin", np.arange(20)) for i in (1, 2)],  # (it said "use
+     "(20 tokens in its longest shard; it needs 32): use longer shards (a larger prepare.py --shard_tokens), or a "
+     "model of a smaller block_size"),  # more data", which adds only more short shards)
     (lambda d: listing(d) or write_llm_c_shard(d / "x_train_000001.bin", np.arange(5000), magic=20240801, version=7,
                                                dtype=np.uint32),
      "x_train_000001.bin holds uint32 tokens, but the dataset is uint16: shards of mixed dtypes"),
