@@ -490,7 +490,7 @@ def _train_rank_recording_config_errors(rank, world_size, args, damage_on_rank1=
     if rank == 1:
         os.environ.update(rank1_env or {})
     if rank == 1 and damage_on_rank1:  # this host's copy of the data turns out damaged once prepared
-        def damaged(data_dir, meta):
+        def damaged(data_dir, meta, **kwargs):
             raise ValueError(f"{data_dir}/train.bin is damaged on rank 1's host")
         loader.check_token_files = damaged
     train.main(resolve([*args, *(rank1_args if rank == 1 else ())]))
