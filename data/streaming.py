@@ -204,25 +204,29 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
                 streams[route(doc)].add(doc, tokens, on_shard)
                 bar.update(len(tokens))
 
-        # Two blocks in flight at most, so memory stays bounded (pool.map alone would read all ahead). A
-        # worker that dies (the out-of-memory killer) breaks this pool: multiprocessing.Pool lost its task, a hang.
-        pool = ProcessPoolExecutor(workers, mp.get_context("spawn"), initializer=_start_worker)
-        try:
-            pending, docs = [], documents()
-            for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
-                pending.append(pool.map(_encode, block, chunksize=16))
-                if len(pending) == 2:
-                    take(pending.pop(0))
-            for result in pending:
-                take(result)
-        except BrokenProcessPool:
-            raise RunError("a tokenizing process was killed (the out-of-memory killer?): run the same command "
-                           "again, which goes on from the last shard written (fewer --workers use less memory)"
-                           ) from None
-        finally:
-            pool.shutdown(wait=not sys.exc_info()[0], cancel_futures=True)  # on an error: no chunk more starts
+        _encode_all(documents(), workers, take)
         bar.close()
         return _finish(source, out_dir, streams, counts, settings, shard_tokens, on_shard)
+
+
+def _encode_all(docs: Iterator, workers: int, take):
+    """Encode (doc, text) pairs in worker processes, each block's (doc, tokens) to take() in order. Two
+    blocks in flight at most, so memory stays bounded (pool.map alone would read all ahead). A worker that
+    dies (the out-of-memory killer) breaks this pool: multiprocessing.Pool lost its task, a hang."""
+    pool = ProcessPoolExecutor(workers, mp.get_context("spawn"), initializer=_start_worker)
+    try:
+        pending = []
+        for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
+            pending.append(pool.map(_encode, block, chunksize=16))
+            if len(pending) == 2:
+                take(pending.pop(0))
+        for result in pending:
+            take(result)
+    except BrokenProcessPool:
+        raise RunError("a tokenizing process was killed (the out-of-memory killer?): run the same command "
+                       "again, which goes on from the last shard written (fewer --workers use less memory)") from None
+    finally:
+        pool.shutdown(wait=not sys.exc_info()[0], cancel_futures=True)  # on an error: no chunk more starts
 
 
 def _finish(source: Source, out_dir: Path, streams: dict, counts: list, settings: dict, shard_tokens: int,
