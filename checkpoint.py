@@ -308,9 +308,14 @@ def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
 
 
 def newest_step(paths: list) -> int:
-    """The step of the newest readable checkpoint among `paths`, or -1."""
-    steps = [read(Path(p), tensors=False)["step"] for p in paths if readable(Path(p))]
-    return max((step for step in steps if type(step) is int), default=-1)
+    """The step of the newest readable checkpoint among `paths`, or -1 (a damaged one: load() names it)."""
+    def step(path):
+        try:
+            ckpt = read(Path(path), tensors=False)
+        except ConfigError:  # (UnreadableCheckpoint among them)
+            return -1
+        return ckpt["step"] if isinstance(ckpt, dict) and type(ckpt.get("step")) is int else -1
+    return max(map(step, paths), default=-1)
 
 
 def newer_than_rank0(cfg: Config, world, rank0_step: int):
@@ -321,5 +326,5 @@ def newer_than_rank0(cfg: Config, world, rank0_step: int):
     mine = newest_step(own)
     return None if mine <= rank0_step else (
         f"{own[0]} on {socket.gethostname()} (rank {world.rank}) is of step {mine}, but rank 0's out_dir holds "
-        f"{f'step {rank0_step}' if rank0_step >= 0 else 'none'}: launch that host's processes as ranks 0.. again "
-        f"(torchrun --node_rank=0), or copy its out_dir to rank 0's host")
+        f"{f'step {rank0_step}' if rank0_step >= 0 else 'none'}: relaunch with that host's processes as ranks 0.. "
+        f"(torchrun's static rendezvous, --node_rank=0 there), or copy its out_dir to rank 0's host")

@@ -160,10 +160,10 @@ class Run:
         self.history = ckpt.get("log")  # (older files hold none: the log beside them is read)
 
     def save(self, best: bool, log: Logger):
+        self.wait_for_save()  # at most one background save in flight (and the messages below name it)
         log.check(self.world, self.saved)  # no checkpoint past a log line that was lost (a resume would skip it)
         if not parallel.all_finite(self.raw_model, self.world):  # the same answer on every rank
             raise Diverged(f"the weights hold NaN or inf at step {self.step}", self.cfg.learning_rate, self.saved)
-        self.wait_for_save()  # at most one background save in flight
         out_dir, failure = Path(self.cfg.out_dir), None
         last = out_dir / f"last{'.dcp' if self.cfg.checkpoint_format == 'sharded' else '.pt'}"
         # resumed from another of out_dir's checkpoints than this last, nothing saved since: a damaged last

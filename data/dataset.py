@@ -182,17 +182,18 @@ def meta_from_shards(data_dir) -> dict:
 
 def other_source(meta: dict, input_path: str):
     """None if the dataset of `meta` was made from the text at input_path (by its sha256; a pipe, or a file
-    gone or unreadable, by its path; shards by the --input given and the sizes of its files still there),
-    else what it was made from."""
+    gone or unreadable, by its path; shards by the --input given, and the files it matches, at their sizes,
+    unless none is left), else what it was made from."""
+    from data.documents import local_source
     source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
     same = named = source.get("path") in (str(Path(input_path)), os.path.realpath(input_path)) or (
         source.get("input") == os.path.abspath(input_path))  # (data/streaming.py's shards: a pattern of files)
     if "input" in source:
-        made = meta.get("prepared_with") if isinstance(meta.get("prepared_with"), dict) else {}
+        prepared = meta.get("prepared_with") if isinstance(meta.get("prepared_with"), dict) else {}
         try:
-            same = named and all(not os.path.isfile(f) or os.path.getsize(f) == n
-                                 for f, n in zip(made["files"], made["file_sizes"]))
-        except (KeyError, TypeError, OSError):  # (no record of the files: the --input given decides)
+            now = local_source(input_path)
+            same = named and [now.names, now.sizes] == [prepared.get("files"), prepared.get("file_sizes")]
+        except OSError:  # (none left: the --input given decides)
             pass
     elif Path(input_path).is_file():
         try:

@@ -16,10 +16,9 @@ bias=False gets zero biases, which compute the same. Bad input: one line on stde
 
 import json
 import os
-import shutil
 import sys
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,14 +68,16 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
 
 @contextmanager
 def made_for(folder: Path):
-    """Make folder (and its parents) for the export, and remove those it made if the export fails."""
+    """Make folder (and its parents) for the export, and remove those it made, while empty, if the export
+    fails (one made meanwhile by another export into it is not empty, and stays)."""
     first = next((p for p in reversed((folder, *folder.parents)) if not p.exists()), None)
     folder.mkdir(parents=True, exist_ok=True)
     try:
         yield
     except BaseException:
-        if first is not None:
-            shutil.rmtree(first, ignore_errors=True)
+        for made in [p for p in (folder, *folder.parents) if first is not None and p.is_relative_to(first)]:
+            with suppress(OSError):  # (not empty: it stays, and so do the folders above it)
+                made.rmdir()
         raise
 
 

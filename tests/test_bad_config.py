@@ -521,11 +521,13 @@ def test_a_relaunch_whose_rank_0_is_on_a_host_without_the_newest_checkpoint_stop
     from harness import train_here
     train_here(char_data, tmp_path / "host_b", max_iters=2, eval_interval=2)
     args = tiny_args(char_data, tmp_path / "host_a", resume="auto", max_iters=4, eval_interval=2, dist_timeout=60)
+    (tmp_path / "host_a").mkdir()  # rank 0's: a last.pt that is no checkpoint of ours is no step (was a KeyError)
+    torch.save({"a": 1}, tmp_path / "host_a" / "last.pt")
     said = ranks_say(_train_rank_recording_config_errors, 2, tmp_path, args, False,
                      [f"--out_dir={tmp_path / 'host_b'}"], {"LOCAL_RANK": "0"})  # (rank 1: host B's first process)
     assert said == [f"{tmp_path / 'host_b' / 'last.pt'} on {socket.gethostname()} (rank 1) is of step 2, but rank 0's "
-                    f"out_dir holds none: launch that host's processes as ranks 0.. again (torchrun --node_rank=0), "
-                    f"or copy its out_dir to rank 0's host"] * 2, said
+                    f"out_dir holds none: relaunch with that host's processes as ranks 0.. (torchrun's static "
+                    f"rendezvous, --node_rank=0 there), or copy its out_dir to rank 0's host"] * 2, said
 
 
 def test_a_prepare_at_start_up_that_fails_is_one_line_naming_the_dataset(tmp_path, monkeypatch, capsys):

@@ -28,6 +28,7 @@ from model import GPT
                                                       # step 4's background save had completed (it said "no
                                                       # checkpoint of this run was written yet")
                                                       (6, False, "training loss is nan at step 7", "last.dcp"),
+                                                      (6, True, "weights hold NaN or inf at step 6", "last.dcp"),
                                                       (8, False, "validation loss is nan at step 8", "last.dcp")])
 def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint(char_data, tmp_path, monkeypatch,
                                                                                  poisoned_at, stop, says, last):

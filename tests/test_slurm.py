@@ -138,7 +138,8 @@ TWO_NODES_4_EACH = dict(  # srun -N 2 --ntasks-per-node=4, task 5 (second node, 
     ({k: v for k, v in SRUN_TASK_1_OF_2.items() if "STEP" not in k} | {"SLURM_PROCID": "0",
       "SLURM_LOCALID": "0"}, World(), (None, None)),
 ], ids=["srun-one-host", "two-nodes", "two-nodes-no-ntasks-per-node", "uneven-nodes",
-        "step-on-second-node", "second-step", "eleventh-step", "master-set-by-hand", "torchrun-in-srun", "sbatch-script-itself"])
+        "step-on-second-node", "second-step", "eleventh-step", "master-set-by-hand", "torchrun-in-srun",
+        "sbatch-script-itself"])
 def test_find_world_maps_slurm_variables(monkeypatch, env, world, master):
     fake = private_env(monkeypatch, env)
     assert find_world() == world
