@@ -136,6 +136,12 @@ def start(cmd, **env) -> subprocess.Popen:
                             stderr=subprocess.STDOUT)
 
 
+def children(pid: int, named: str = "") -> list[int]:
+    """The pids of pid's child processes (those whose command line holds `named`)."""
+    found = subprocess.run(["pgrep", "-P", str(pid), *(["-f", named] if named else [])], capture_output=True, text=True)
+    return [int(child) for child in found.stdout.split()]
+
+
 def wait_for_line(proc, prefix: str) -> list:
     """Read the process's output until a line starts with prefix (what it printed so far)."""
     lines = []

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from harness import (REPO, assert_same_weights, child_env, ckpt, free_port, logged_step, python, run, run_world,
-                     start, tiny_args, torchrun, wait_for)
+from harness import (REPO, assert_same_weights, child_env, children, ckpt, free_port, logged_step, python, run,
+                     run_world, start, tiny_args, torchrun, wait_for)
 
 pytestmark = pytest.mark.slow
 STEPS = 60
@@ -71,8 +71,7 @@ def test_a_signal_to_train_spawn_reaches_every_rank_which_saves_and_stops(char_d
     ranks = []
     try:
         wait_for(lambda: logged_step(tmp_path) >= 1, proc, what="step 1")
-        ranks = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                                    text=True).stdout.split()]
+        ranks = children(proc.pid)
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
     finally:  # a launcher that did not pass the signal on leaves its ranks training
@@ -92,8 +91,7 @@ def test_ctrl_c_while_train_spawns_ranks_start_is_one_line(char_data, tmp_path):
     proc = subprocess.Popen([sys.executable, "train_spawn.py", "--nproc=2", *tiny_args(char_data, tmp_path)],
                             cwd=REPO, env=child_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)  # (a group of its own, as a terminal's foreground job)
-    wait_for(lambda: len(subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"], capture_output=True,
-                                        text=True).stdout.split()) == 2, proc, what="two ranks")
+    wait_for(lambda: len(children(proc.pid, "spawn_main")) == 2, proc, what="two ranks")
     os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in out, out
@@ -103,9 +101,9 @@ def test_ctrl_c_while_train_spawns_ranks_start_is_one_line(char_data, tmp_path):
 def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(char_data, tmp_path, uninterrupted):
     proc = start(torchrun(recovery_args(char_data, tmp_path, resume="auto"), extra=["--max-restarts=1"]))
     wait_for(lambda: (tmp_path / "last.pt").exists() and logged_step(tmp_path) >= 15, proc, what="a checkpoint")
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    workers = children(proc.pid)
     assert len(workers) == 2, workers
-    subprocess.run(["kill", "-9", workers[1]], check=True)
+    os.kill(workers[1], signal.SIGKILL)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     assert "resuming from" in out

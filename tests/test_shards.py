@@ -28,7 +28,7 @@ from data.dataset import Shard, meta_from_shards, other_source, read_shard_heade
 from data.documents import local_source
 from data.tokenizers import gpt2_encoding
 from errors import ConfigError
-from harness import (REPO, assert_close_runs, ckpt, make_char_dataset, raising, read_epochs, record_epochs,
+from harness import (REPO, assert_close_runs, children, ckpt, make_char_dataset, raising, read_epochs, record_epochs,
                      shard_dataset, small_disk, tiny_args, train_log, train_run)
 from loader import Dataset, ShardedTokenLoader, Tokens
 
@@ -119,14 +119,6 @@ def test_openwebtext_prepare_splits_documents_by_nanogpts_rule(corpus, tmp_path)
     assert meta["shards"]["val"][0]["file"] == "openwebtext_val_000000.bin"
 
 
-def children(pid: int) -> list:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-
-
-def cmdline(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-
-
 @pytest.mark.slow
 def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shards(corpus, tmp_path):
     folder = Path(shutil.copytree(corpus[0], tmp_path / "corpus"))  # (changed below)
@@ -147,7 +139,7 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
             assert time.monotonic() < deadline
             time.sleep(0.01)
         if whom == "worker":  # a tokenizing process (the out-of-memory killer's choice): once a hang
-            os.kill(next(pid for pid in children(proc.pid) if "spawn_main" in cmdline(pid)), sig)
+            os.kill(children(proc.pid, "spawn_main")[0], sig)
         else:
             proc.send_signal(sig)
         err = proc.communicate(timeout=60)[1]
