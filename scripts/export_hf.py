@@ -28,7 +28,7 @@ from safetensors.torch import save  # noqa: E402
 
 import checkpoint  # noqa: E402
 import pretrained  # noqa: E402
-from data.dataset import GPT2_EOT  # noqa: E402
+from data.dataset import GPT2_EOT, has_shards  # noqa: E402
 from data.files import atomic_write_bytes, fsync_dir, read_json  # noqa: E402
 from data.tokenizers import write_gpt2_tokenizer_files  # noqa: E402
 from errors import ArgumentParser, ConfigError, first_line, reported, write_failure  # noqa: E402
@@ -103,7 +103,8 @@ def main(argv=None):
     run = any((to / name).exists() for name in checkpoint.WRITTEN if name != "config.json") or any(to.glob("*.dcp"))
     if mine or began or run or to.suffix == ".dcp":  # a run's (its config.json), its init_from, or a checkpoint
         what = ("a sharded checkpoint" if to.suffix == ".dcp" else "the run's own folder" if mine else
-                "the folder the run started from (init_from)" if began else "another run's own folder")
+                "the folder the run started from (init_from)" if began else
+                "a dataset folder" if (to / "train.bin").exists() or has_shards(to) else "another run's own folder")
         raise ConfigError(f"--to={to} is {what}: give another folder, of its own (files there are replaced)")
     model, meta, path, step = pretrained.load_model(out_dir, "cpu", prefer=args.checkpoint)
     try:

@@ -480,6 +480,11 @@ def test_export_bad_input_is_one_line(tmp_path, fails_with, trained):
                    f"--to={to} is the run's own folder")
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'out' / 'best.dcp'}"],
                f"--to={tmp_path / 'out' / 'best.dcp'} is a sharded checkpoint: give another folder")  # (files added)
+    (tmp_path / "data").mkdir()  # a dataset's meta.json: it was "another run's own folder"
+    for name in ("meta.json", "train.bin"):
+        (tmp_path / "data" / name).write_text("")
+    fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'data'}"],
+               f"--to={tmp_path / 'data'} is a dataset folder: give another folder")
 
 
 # --- sample.py --init_from --------------------------------------------------------------------
@@ -512,6 +517,11 @@ def test_sample_init_from_missing_folder_is_one_line(tmp_path, fails_with):
     (tmp_path / "half" / "model.safetensors.index.json").write_text("{}")  # save_pretrained(max_shard_size=...)
     fails_with(["sample.py", f"--init_from={tmp_path / 'half'}"], "(its weights are in shards, which are not read")
     fails_with(["sample.py", "--init_from=gpt2-small"], "no Hugging Face GPT-2 model there", "did you mean 'gpt2'?")
+    (tmp_path / "run").mkdir()  # a run of this repo: "no Hugging Face GPT-2 model there" said no more
+    (tmp_path / "run" / "last.pt").write_text("")
+    for init_from in (tmp_path / "run", tmp_path / "run" / "last.pt"):
+        fails_with(["sample.py", f"--init_from={init_from}"], "(a checkpoint of this repo's: sample.py reads a run's "
+                   "folder as --out_dir, train.py continues it with --resume=PATH)")
     fails_with(["eval.py", "--init_from=openai-community/gpt2-xl"], "did you mean 'gpt2-xl'?")  # (the hub's name)
     assert "did you mean" not in fails_with(["sample.py", f"--init_from={tmp_path / 'ft' / 'gpt2-large'}"])  # a path
     for tool in ("sample.py", "eval.py"):  # --out_dir was ignored without a word
