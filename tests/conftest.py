@@ -23,16 +23,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slurm: runs srun on a local SLURM cluster "
                                        "(needs root, slurm-wlm and munge; skips without them)")
     config.addinivalue_line("filterwarnings", "ignore:torch.distributed is disabled")  # as sharded.py does
+    # train.main gives its process a share of the host's cores (world.use_device: both of a 2-core machine for
+    # one process). Here that process is pytest, shared by every later test, and two threads for a tiny model
+    # on a busy machine make each op wait for the other: torch keeps one thread, also in a fixture shared by
+    # several tests (the trained run took both cores for all later tests, when this patch was each test's)
     torch.set_num_threads(1)
-
-
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    """train.main gives its process a share of the host's cores (world.use_device: both of a
-    2-core machine for one process). Here that process is pytest, shared by every later test,
-    and two threads for a tiny model on a busy machine make each op wait for the other thread:
-    in this process torch keeps the one thread pytest_configure set."""
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    torch.set_num_threads = lambda n: None
 
 
 @pytest.fixture(autouse=True)
