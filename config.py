@@ -103,7 +103,8 @@ PER_HOST = ("out_dir", "data_dir", "prepare_input", "hellaswag_path", "device") 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 ELSEWHERE = {  # names the launchers or nanoGPT take, and what does their job here
     **dict.fromkeys(("nproc", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "standalone",
-                     "rdzv_backend", "rdzv_endpoint", "rdzv_id", "max_restarts"),
+                     "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "max_restarts", "monitor_interval",
+                     "start_method", "log_dir", "redirects", "tee", "rank", "world_size", "local_world_size"),
                     "it is a launcher's option: for N processes run python train_spawn.py --nproc=N ... "
                     "or torchrun --nproc_per_node=N train.py ..."),
     "gradient_accumulation_steps": "give global_batch_size = batch_size x nanoGPT's gradient_accumulation_steps "
@@ -121,7 +122,10 @@ CHOICES = {
 
 
 def _show(value, limit: int = 80) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of over 4,300 digits
+        text = f"an integer of {value.bit_length()} bits"
     return text if len(text) <= limit else text[:limit - 5] + "[...]"
 
 
@@ -148,7 +152,7 @@ def check_type(name: str, value):
                 raise ConfigError(f"config '{name}' must be a finite number, got {_show(value)}")
             return float(value)
         if allowed is int and isinstance(value, int) and not -2**63 <= value < 2**63:
-            raise ConfigError(f"config '{name}' must fit in 64 bits, got an integer of {value.bit_length()} bits")
+            raise ConfigError(f"config '{name}' must be an integer from -2**63 to 2**63 - 1, got {_show(value)}")
         if allowed in (bool, int, str) and isinstance(value, allowed):
             return value
     one_of = " or ".join("None" if t is type(None) else t.__name__ for t in options)
@@ -278,7 +282,9 @@ def resolve(args: list[str]) -> Config:
                 try:
                     values[name] = check_type(name, value)
                 except ConfigError as e:  # (of several files given, say which)
-                    own = " (or start a helper name of the file's own with _)" * (name not in FIELD_TYPES)
+                    # (not for a name whose job is done elsewhere: as a helper it would be dropped silently)
+                    own = " (or start a helper name of the file's own with _)" * (name not in [*FIELD_TYPES,
+                                                                                                *ELSEWHERE])
                     raise ConfigError(f"{arg}: {e}{own}") from None
         else:
             raise ConfigError(f"'{arg}' is neither a config file (.py) nor a --name=value override")

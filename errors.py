@@ -164,8 +164,10 @@ class GlobalBatchIndivisible(ConfigError):
     def __init__(self, global_batch_size: int, batch_size: int, world_size: int):
         per_round = batch_size * world_size
         near = max(per_round, round(global_batch_size / per_round) * per_round)
-        keep = next((b for b in range(batch_size - 1, 0, -1) if global_batch_size % (b * world_size) == 0), None)
-        fits = max(w for w in range(1, world_size) if global_batch_size % w == 0) if not keep else 0  # processes
+        # (the largest of the first million candidates: a search to 10**10 took hours)
+        keep = next((b for b in range(min(batch_size - 1, 10**6), 0, -1) if global_batch_size % (b * world_size) == 0),
+                    None)
+        fits = max(w for w in range(1, min(world_size, 10**6)) if global_batch_size % w == 0) if not keep else 0
         super().__init__(
             f"global_batch_size ({global_batch_size}) must be divisible by batch_size ({batch_size}) "
             f"x world size ({world_size}) = {per_round}: try --global_batch_size={near}"

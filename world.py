@@ -72,7 +72,7 @@ def find_world() -> World:
     """Read ranks from torchrun or manual variables, else from SLURM, else one process."""
     env, world = os.environ, World()
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
-             "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID")
+             "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID")
     bad = {k: env[k] for k in names if k in env and not (env[k].isascii() and env[k].isdigit())}
     if bad:
         raise ConfigError(f"rank variables must be whole numbers, got {bad}: check the launch command")
@@ -84,20 +84,20 @@ def find_world() -> World:
         world = World(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), size, int(env.get("LOCAL_WORLD_SIZE", size)))
     # Only inside a step that srun launched: an sbatch script itself also sees SLURM_PROCID=0
     # and SLURM_NTASKS=N, but no peer would ever join it.
-    elif "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    # (the step's own task count: srun --preserve-env, and salloc's shell, pass on the job's SLURM_NTASKS)
+    elif "SLURM_STEP_ID" in env and int(tasks := env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))) > 1:
         # rank 0 runs on the step's first node, which need not be the job's first
         nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         env.setdefault("MASTER_ADDR", slurm_first_host(nodes))
         step = int(env["SLURM_STEP_ID"]) if env["SLURM_STEP_ID"].isdigit() else 0  # steps at once: own ports
         env.setdefault("MASTER_PORT", str(29500 + (int(env.get("SLURM_JOB_ID", "0")) + 1009 * step) % 3000))
-        counts, node = env.get("SLURM_STEP_TASKS_PER_NODE", env["SLURM_NTASKS"]), int(env.get("SLURM_NODEID", 0))
+        counts, node = env.get("SLURM_STEP_TASKS_PER_NODE", tasks), int(env.get("SLURM_NODEID", 0))
         per_node = slurm_tasks_per_node(counts)
         if "SLURM_PROCID" not in env or node >= len(per_node):
             raise ConfigError(f"srun's variables do not describe this task (SLURM_PROCID={env.get('SLURM_PROCID')}, "
                               f"SLURM_NODEID={node}, SLURM_STEP_TASKS_PER_NODE={counts!r}): launch with srun, "
                               f"or unset SLURM_STEP_ID for one process")
-        world = World(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"]),
-                      per_node[node])
+        world = World(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(tasks), per_node[node])
     if not (world.rank < world.size and world.local_rank < world.local_size):  # else peers never come
         raise ConfigError(f"rank {world.rank} (local rank {world.local_rank}) cannot be in a world of size "
                           f"{world.size} ({world.local_size} on this host): check the launch command")

@@ -176,12 +176,18 @@ CASES = [
     ("infinite number", ["--learning_rate=1e999"], None, r"'learning_rate' must be a finite number, got inf"),
     ("negative seed", ["--seed=-1"], None, r"seed must be >= 0, got -1"),
     ("integer past 64 bits", ["--seed=99999999999999999999999"], None,
-     r"config 'seed' must fit in 64 bits, got an integer of 77 bits"),
+     r"config 'seed' must be an integer from -2\*\*63 to 2\*\*63 - 1, got 99999999999999999999999$"),
+    ("integer just past 64 bits", ["--seed=9223372036854775808"], None,  # (it said: "got an integer of 64 bits")
+     r"config 'seed' must be an integer from -2\*\*63 to 2\*\*63 - 1, got 9223372036854775808$"),
     ("timeout past 1e6 s", ["--dist_timeout=1e10"], None, r"dist_timeout must be positive seconds, at most 1e6"),
     ("config file not UTF-8", lambda d: [str(write_bytes(d.parent / "latin1.py", b"n_layer = 1\n# caf\xe9\n"))],
      None, r"config file .*latin1\.py is not UTF-8 text \(invalid continuation byte at byte 17\)"),
     ("config file of a huge integer", lambda d: [str(write_bytes(d.parent / "big.py", b"seed = 10**10000\n"))],
-     None, r"config 'seed' must fit in 64 bits, got an integer of 33220 bits"),
+     None, r"config 'seed' must be an integer from -2\*\*63 to 2\*\*63 - 1, got an integer of 33220 bits"),
+    ("a huge integer for a float", lambda d: [str(write_bytes(d.parent / "big.py", b"learning_rate = 10**5000\n"))],
+     None, r"'learning_rate' must be a finite number, got an integer of 16610 bits$"),  # (repr raised: a traceback)
+    ("a huge micro-batch", ["--batch_size=10000000000", "--global_batch_size=10000000001"], None,  # (it spun for hours)
+     r"try --global_batch_size=20000000000 \(a resume must keep 10000000001: launch it on 1 process,"),
     ("global batch vs micro-batch", ["--global_batch_size=10", "--batch_size=3"], None,
      r"global_batch_size \(10\) must be divisible by batch_size \(3\) x world size \(2\) = 6: "
      r"try --global_batch_size=12"),

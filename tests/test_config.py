@@ -29,6 +29,13 @@ def test_unknown_name_suggests_the_closest_valid_name(tmp_path):
     with pytest.raises(ConfigError, match=f"^{cfg_file}: unknown config name 'learnig_rate'.*'learning_rate'\\? "
                                           f"\\(or start a helper name of the file's own with _\\)$"):
         resolve([str(cfg_file)])
+    cfg_file.write_text("gradient_accumulation_steps = 8\n")  # as a helper name, it would be dropped: no such hint
+    with pytest.raises(ConfigError, match="give global_batch_size = batch_size x nanoGPT's gradient_accumulation_steps "
+                                          "instead \\(sequences per optimizer step, over all processes\\)$"):
+        resolve([str(cfg_file)])
+    for name in ("world_size", "rank", "monitor_interval"):  # they suggested block_size, ..., log_interval
+        with pytest.raises(ConfigError, match=f"unknown config name '{name}': it is a launcher's option"):
+            resolve([f"--{name}=2"])
     cfg_file.write_text("lr_decay_iters = max_iters\n")  # nanoGPT's configurator ran files among the defaults
     with pytest.raises(ConfigError, match="line 1: NameError: name 'max_iters' is not defined \\(a config file sees "
                                           "only the names it sets: not the defaults, nor another file's\\)$"):

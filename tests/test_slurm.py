@@ -137,9 +137,13 @@ TWO_NODES_4_EACH = dict(  # srun -N 2 --ntasks-per-node=4, task 5 (second node, 
     # there too, but no step was launched, so this is one process, not rank 0 waiting for rank 1
     ({k: v for k, v in SRUN_TASK_1_OF_2.items() if "STEP" not in k} | {"SLURM_PROCID": "0",
       "SLURM_LOCALID": "0"}, World(), (None, None)),
+    # a one-task step that keeps the job's SLURM_NTASKS (srun --preserve-env, salloc's shell): one process
+    # (it was rank 0 of 2, waiting out dist_timeout for a peer)
+    ({**SRUN_TASK_1_OF_2, "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_PROCID": "0",
+      "SLURM_LOCALID": "0"}, World(), (None, None)),
 ], ids=["srun-one-host", "two-nodes", "two-nodes-no-ntasks-per-node", "uneven-nodes",
         "step-on-second-node", "second-step", "eleventh-step", "master-set-by-hand", "torchrun-in-srun",
-        "sbatch-script-itself"])
+        "sbatch-script-itself", "one-task-step-of-a-larger-job"])
 def test_find_world_maps_slurm_variables(monkeypatch, env, world, master):
     fake = private_env(monkeypatch, env)
     assert find_world() == world
