@@ -265,10 +265,10 @@ def _sample(logits, temperature, top_k, generator):
     if temperature < torch.finfo(torch.float32).tiny:  # 0, or below float32's smallest normal: greedy
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # <= 0: a tiny temperature cannot overflow
-    if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))  # (B, k), sorted
-        logits[logits < v[:, [-1]]] = -float('inf')
+    # the top k of the logits as given: a huge temperature makes every scaled one 0, and a tie kept them all
+    cut = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]] if top_k is not None else None  # (B, 1)
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # <= 0: a tiny temperature cannot overflow
+    logits = scaled if cut is None else scaled.masked_fill(logits < cut, -float('inf'))
     probs = F.softmax(logits, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)
 

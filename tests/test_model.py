@@ -219,8 +219,9 @@ def test_temperature_zero_and_top_k_one_are_greedy():
     assert torch.equal(model.generate(idx, 20, temperature=0), greedy)
     # a temperature that is 0 in float32 once divided the logits by 0: NaN probabilities, a traceback
     assert torch.equal(model.generate(idx, 20, temperature=1e-300, generator=torch.Generator()), greedy)
-    top1 = model.generate(idx, 20, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(top1, greedy)
+    for temperature in (1.0, 1e300):  # (1e300 made every logit 0 before top_k: it kept them all)
+        top1 = model.generate(idx, 20, temperature=temperature, top_k=1, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(top1, greedy)
 
 
 def test_sampling_divides_the_logits_by_the_temperature(monkeypatch):

@@ -243,16 +243,24 @@ def test_the_memory_bound_counts_one_micro_batchs_logits_and_only_this_ranks_sha
         batch_size=8, block_size=64, global_batch_size=8)
     state, logits = 16 * model.n_params, 4 * 8 * 64 * model.padded_vocab_size
     fsdp = lambda shard_size: World(size=4, strategy="fsdp", shard_size=shard_size)  # noqa: E731
-    ddp, hsdp, more = "more processes with --strategy=fsdp", "--fsdp_shard_size=0, which shards over", "more processes"
+    # (on the CPU a host's processes share its memory: "more processes" on one host could never pass)
+    ddp, hsdp, more = "more hosts (a host's processes share its memory) with --strategy=fsdp", \
+        "--fsdp_shard_size=0, which shards over", "more hosts (a host's processes share its memory)"
+    gpu = World(device=torch.device("cuda", 0))
     for free, world, refused in [(state + logits - 1, World(), ddp), (state + logits, World(), None),
                                  (state // 4 + logits, fsdp(4), None), (state // 4 + logits - 1, fsdp(4), more),
                                  (state // 4 + logits, fsdp(2), hsdp),  # (HSDP: more processes were advised)
-                                 (state // 4 + logits, World(size=4, shard_size=4), ddp)]:  # DDP: whole
+                                 (state // 4 + logits, World(size=4, shard_size=4), ddp),  # DDP: whole
+                                 (state + logits - 1, gpu, "more processes with --strategy=fsdp")]:
         monkeypatch.setattr(parallel, "available_memory", lambda device, local_size, free=free: free)
         problem = parallel.memory_problem(model, cfg, world)
         assert (problem is not None) == bool(refused), (free, world)
         assert not refused or "GB of logits for batch_size=8" in problem and problem.endswith(
             f"choose a smaller model or batch_size, or {refused}" + " every rank" * (refused == hsdp)), problem
+    cfg.batch_size = 100 * cfg.batch_size  # the logits alone past the memory: sharding the model cannot help
+    monkeypatch.setattr(parallel, "available_memory", lambda device, local_size: 100 * logits)
+    assert parallel.memory_problem(model, cfg, fsdp(4)).endswith(
+        "choose a smaller batch_size (sharding leaves the logits whole)")
 
 
 class PeakBytes(TorchDispatchMode):
