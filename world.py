@@ -13,8 +13,9 @@ import re
 import signal
 import threading
 import warnings
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -201,15 +202,34 @@ def use_device(world: World):
 
 
 def available_memory(device: torch.device, local_size: int = 1) -> int:
-    """Bytes this process may still allocate: the GPU's free memory, or its share of the host's."""
+    """Bytes this process may still allocate: the GPU's free memory, or its share of the host's (at most
+    of its memory cgroup's limit: SLURM's --mem, docker --memory, which MemAvailable does not see)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as f:
             kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-        return kib * 1024 // local_size
+        return min(kib * 1024, cgroup_memory_limit()) // local_size
     except (OSError, StopIteration, ValueError):  # not Linux: no estimate, nothing refused
         return 2**62
+
+
+def cgroup_memory_limit(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int:
+    """The tightest memory limit of this process's cgroup and those above it (v2's memory.max, v1's
+    memory.limit_in_bytes), or 2**62 where none is set or can be read."""
+    limits = [2**62]
+    with open(proc) as f:
+        for _, controllers, path in (line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2):
+            if controllers and "memory" not in controllers.split(","):  # ("": cgroup v2's one hierarchy)
+                continue
+            base = Path(root, "memory" if controllers else "")  # (a container's own cgroup is mounted as it)
+            for folder in (base / path.lstrip("/"), *(base / path.lstrip("/")).parents):
+                for name in ("memory.max", "memory.limit_in_bytes"):
+                    with suppress(OSError):
+                        limits.append(int(text) if (text := (folder / name).read_text().strip()).isdigit() else 2**62)
+                if folder == base:
+                    break
+    return min(limits)
 
 
 def keep_cpu_memory_lean():

@@ -263,6 +263,25 @@ def test_the_memory_bound_counts_one_micro_batchs_logits_and_only_this_ranks_sha
         "choose a smaller batch_size (sharding leaves the logits whole)")
 
 
+def test_the_memory_bound_is_the_cgroups_limit_where_it_is_below_the_hosts(tmp_path, monkeypatch):
+    """SLURM's --mem and docker --memory set a cgroup's limit, which MemAvailable (the host's) does not show:
+    an impossible size passed the check and the kernel killed the run without a word."""
+    import world
+    proc, root = tmp_path / "cgroup", tmp_path / "sys"
+    for folder, name, limit in [("job", "memory.max", "3000"), ("job/step", "memory.max", "max"),  # v2: a parent's
+                                ("memory/x", "memory.limit_in_bytes", "9223372036854771712")]:  # v1: none
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        (root / folder / name).write_text(limit + "\n")
+    proc.write_text("4:memory:/x\n0::/job/step\n")
+    assert world.cgroup_memory_limit(str(proc), str(root)) == 3000
+    (root / "memory" / "x" / "memory.limit_in_bytes").write_text("2000\n")
+    assert world.cgroup_memory_limit(str(proc), str(root)) == 2000
+    proc.write_text("4:memory:/elsewhere\n0::/\n")  # a container's cgroup, mounted as the root: none here
+    assert world.cgroup_memory_limit(str(proc), str(root)) == 2**62
+    monkeypatch.setattr(world, "cgroup_memory_limit", lambda: 4 * 2**20)
+    assert world.available_memory(torch.device("cpu"), local_size=2) == 2 * 2**20
+
+
 class PeakBytes(TorchDispatchMode):
     """The most bytes the tensors made inside it held at once (a storage counted once, however many views;
     views of `existing` tensors not at all)."""
