@@ -5,17 +5,15 @@
     python bench.py configs/gpt_small.py --nproc=1 --steps=30 --warmup=10 --report=bench/h100
     python bench.py configs/gpt_small.py --nproc=1 --profile  # also: where a step's time goes
 
-Arguments are train.py's (a config file, --name=value overrides) plus --nproc=N[,N...],
---strategies=ddp,fsdp (default: the config's strategy), --steps, --warmup, --report=DIR and
---profile. Each combination of strategy and process count is a real run, afresh (resume=never, no
-HellaSwag): torchrun starts `bench.py --worker`, which builds it with train.py's build_run and
-times train.py's optimizer step after untimed warm-up steps (compilation included). On one process
-fsdp has nothing to shard and runs as ddp: its row repeats ddp's when ddp comes first.
+Arguments are train.py's (a config file, --name=value overrides) plus --nproc=N[,N...], --strategies=ddp,fsdp
+(default: the config's strategy), --steps, --warmup, --report=DIR and --profile. Each combination of strategy
+and process count is a real run, afresh (resume=never, no HellaSwag): torchrun starts `bench.py --worker`, which
+builds it with train.py's build_run and times its optimizer step after untimed warm-up steps (compilation
+included). On one process fsdp has nothing to shard and runs as ddp: its row repeats ddp's when ddp comes first.
 
-The data is synthetic by default (uniform random GPT-2 token ids: GPT-2's vocabulary, whatever
-a config file's dataset); --dataset=NAME or --data_dir=DIR reads real data. Under another launcher
-(several hosts, SLURM), run the worker with it: `torchrun ... bench.py --worker --result=FILE ...`;
-rank 0 writes the run's figures to FILE. docs/performance.md defines each figure.
+Synthetic data by default (uniform random GPT-2 token ids, whatever a config file's dataset); --dataset=NAME or
+--data_dir=DIR reads real data. Under another launcher (several hosts, SLURM), run the worker with it: `torchrun
+... bench.py --worker --result=FILE ...`; rank 0 writes the run's figures to FILE (docs/performance.md).
 """
 
 import json
@@ -89,8 +87,7 @@ def slowest_rank(times: list, world: World) -> list:
 
 def state_bytes(run) -> dict:
     """Bytes of model state this rank holds: parameters, their gradients, optimizer moments."""
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard, or the tensor
-    size = lambda t: local(t).numel() * local(t).element_size()
+    size = lambda t: (u := t.to_local() if hasattr(t, "to_local") else t).numel() * u.element_size()  # (a shard)
     params = sum(size(p) for p in run.raw_model.parameters())
     optimizer = sum(size(v) for s in run.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
     return {"parameters": params, "gradients": params, "optimizer": optimizer}
@@ -115,12 +112,15 @@ def profile_steps(run, device, out: Path, name: str, write: bool, steps: int = 3
         time_us = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
         kind = next((k for k, words in KERNEL_KINDS if any(w in event.key.lower() for w in words)), "other")
         kinds[kind] = kinds.get(kind, 0) + time_us
-    total = sum(kinds.values()) or 1
-    summary = "\n".join(f"{k:>14}: {v / 1e3 / steps:9.2f} ms/step  {v / total:6.1%}"
+    summary = "\n".join(f"{k:>14}: {v / 1e3 / steps:9.2f} ms/step  {v / (sum(kinds.values()) or 1):6.1%}"
                         for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
     text = f"{table}\n\ndevice time by kind, per optimizer step:\n{summary}\n"
-    (out / f"profile-{name}.txt").write_text(text)
     print(text, end="", flush=True)
+    try:  # (worker mode's --report is made here)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"profile-{name}.txt").write_text(text)
+    except OSError as e:  # the run's figures are measured: keep them
+        print(f"warning: could not write {out}/profile-{name}.txt ({write_failure(e)}): it is above", file=sys.stderr)
 
 
 # Kernel and op names by kind, for the profile summary (the first match wins).
@@ -141,7 +141,7 @@ FIXED = ["--resume=never", "--hellaswag_interval=0"]  # every measured run start
 def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir, profile_dir):
     cfg = resolve(cfg_args + FIXED + [f"--out_dir={tempfile.gettempdir()}/gpt-train-bench-out"])
     world = setup(cfg)
-    device, accum = world.device, world.accum
+    device, accum, gpu = world.device, world.accum, world.device.type == "cuda"
     with process_group(world, cfg.dist_timeout):
         if synthetic_dir:
             # at most 2^27 tokens: then the loader's epochs roll over (or repeat the data within a step)
@@ -150,10 +150,10 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
         meta = Dataset(cfg).ready(world)
         run = build_run(cfg, world, meta)
         timed_steps(run, warmup, device)
-        if device.type == "cuda":
+        if gpu:
             torch.cuda.reset_peak_memory_stats(device)
         times = slowest_rank(timed_steps(run, steps, device), world)
-        peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+        peak = (torch.cuda.max_memory_allocated(device) if gpu
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
         nosync = None
         if world.size > 1:  # the same steps with no gradient communication at all
@@ -164,11 +164,11 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
         figures = dict(
             world_size=world.size, accumulation_steps=accum, tokens_per_step=cfg.tokens_per_step,
             step_times=times, step_times_nosync=nosync, peak_memory=[row[0] for row in by_rank([peak], world)],
-            memory_kind="cuda max allocated" if device.type == "cuda" else "peak RSS",
+            memory_kind="cuda max allocated" if gpu else "peak RSS",
             state_bytes=state_bytes(run), sequences_per_rank_step=cfg.batch_size * accum,
             mfu=run.raw_model.estimate_mfu(cfg.batch_size * accum, statistics.mean(times),
-                                           cfg.peak_flops or None) if device.type == "cuda" else None,
-            device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+                                           cfg.peak_flops or None) if gpu or cfg.peak_flops else None,
+            device=torch.cuda.get_device_name(device) if gpu else platform.processor() or "cpu",
             dtype=str(world.dtype).removeprefix("torch."), backend=world.backend, compile=cfg.compile,
             config=cfg.to_dict(), data="synthetic" if synthetic_dir else str(cfg.data_dir or cfg.dataset),
             vocab_size=run.model_args["vocab_size"], n_params=run.raw_model.get_num_params())
@@ -293,7 +293,7 @@ def main(argv=None):
                 raise ConfigError(problem)
     if not opts["report"] or not_a_folder(report := Path(opts["report"])):  # (empty: an unset shell variable)
         raise ConfigError(f"--report={opts['report']} is no folder: give one for bench.json, bench.md and bench.png")
-    report.mkdir(parents=True, exist_ok=True)
+    report.mkdir(parents=True, exist_ok=True)  # (one that cannot be written loses no figure: write_report)
     rows = measure(strategies, nprocs, cfg_args, steps, warmup, report, flags["--profile"])
     write_report(rows, report, steps, warmup, args)
     return rows

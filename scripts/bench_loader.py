@@ -87,18 +87,19 @@ def main():
         raise ConfigError(f"--sizes={args.sizes}: give sizes in bytes, e.g. --sizes=4e6,4e8") from None
     if args.block_size < 1 or args.batch_size < 1:
         raise ConfigError("--block_size and --batch_size must be positive")
-    import torch
-    from world import available_memory
-    need = 24 * args.batch_size * (args.block_size + 1) + 16 * args.batch_size  # int64 windows, x, y; the order
-    if need > available_memory(torch.device("cpu")):  # (it once grew for minutes, then ran out)
-        raise ConfigError(f"--batch_size={args.batch_size:,} x --block_size={args.block_size:,} needs {need / 1e9:,.1f} "
-                          f"GB a batch, more than this host has available")
     smallest = 2 * 20 * 2 * args.block_size  # uint16: each of 20 shards holds a window at any offset (loader.py)
     if max(sizes) > 10**12:  # sparse files, but past a terabyte the file system or the window index gives out
         raise ConfigError(f"--sizes: {max(sizes):,} bytes is more than this benchmark makes (at most 1e12)")
     if min(sizes) < smallest:
         raise ConfigError(f"--sizes: {min(sizes):,} bytes is too small for block_size={args.block_size} "
                           f"(20 shards of a window each): give at least {smallest:,}")
+    import torch
+    from world import available_memory
+    # int64 windows, x, y of a batch; the epoch's window order (int64, twice while it is drawn)
+    need = 24 * args.batch_size * (args.block_size + 1) + 16 * max(args.batch_size, max(sizes) // 2 // args.block_size)
+    if need > available_memory(torch.device("cpu")):  # (it once grew for minutes, then ran out)
+        raise ConfigError(f"--batch_size={args.batch_size:,} x --block_size={args.block_size:,} on --sizes up to "
+                          f"{max(sizes):,} bytes needs {need / 1e9:,.1f} GB, more than this host has available")
     print(f"| dataset | layout | windows | start-up to first batch | RSS: own memory | RSS: mapped file pages | "
           f"batches/s ({args.batch_size} x {args.block_size + 1} tokens) |\n|---|---|---|---|---|---|---|")
     for size in sizes:

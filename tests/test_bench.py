@@ -92,6 +92,22 @@ def test_measured_state_bytes_confirm_the_memory_formula(report):
     assert runs["fsdp", 2]["optimizer"] == pytest.approx(runs["ddp", 2]["optimizer"] / 2, rel=0.01)
 
 
+def test_a_profile_that_cannot_be_written_keeps_the_runs_figures(tmp_path, monkeypatch, capsys):
+    """It ended the worker before its figures were written (exit 2, torchrun's traceback, no table)."""
+    import torch
+
+    import bench
+    monkeypatch.setattr(bench, "timed_steps", lambda run, steps, device: torch.ones(64, 64) @ torch.ones(64, 64))
+    (tmp_path / "a_file").write_text("")
+    bench.profile_steps(None, torch.device("cpu"), tmp_path / "a_file" / "report", "ddp-1", write=True)
+    out, err = capsys.readouterr()
+    assert "device time by kind" in out and "matmul" in out
+    assert err == f"warning: could not write {tmp_path}/a_file/report/profile-ddp-1.txt (it is a file, or lies under " \
+                  f"one): it is above\n"
+    bench.profile_steps(None, torch.device("cpu"), tmp_path / "made" / "here", "ddp-1", write=True)  # (worker mode)
+    assert "device time by kind" in (tmp_path / "made" / "here" / "profile-ddp-1.txt").read_text()
+
+
 def test_bench_bad_arguments_are_one_line(script, tmp_path):
     (tmp_path / "a_file").write_text("")  # (it wrote the report into the current folder; a file: "File exists")
     for args, needle in ((["--nproc=0"], "at least 1"), (["--strategies=zero3"], "choose from ddp, fsdp"),
@@ -373,8 +389,12 @@ def test_the_nanogpt_side_by_side_refuses_what_it_cannot_compare(tmp_path, args,
                                                               "(20 shards of a window each): give at least 1,280"),
     ("bench_loader", ["--block_size=0"], "--block_size and --batch_size must be positive"),
     ("bench_loader", ["--batch_size=1000000000", "--block_size=999"], "--batch_size=1,000,000,000 x --block_size=999 "
-                                                                      "needs 24,016.0 GB a batch, more than this host "
-                                                                      "has available"),
+                                                                      "on --sizes up to 4,000,000,000 bytes needs "
+                                                                      "24,016.0 GB, more than this host has available"),
+    # the epoch's window order too: 1e12 bytes of block 8 made its files, then failed in numpy (exit 1)
+    ("bench_loader", ["--sizes=1e12", "--block_size=8"], "--batch_size=12 x --block_size=8 on --sizes up to "
+                                                         "1,000,000,000,000 bytes needs 1,000.0 GB, more than this "
+                                                         "host has available"),
     ("memory_guide", ["--world=1,two"], "--world=1,two: give process counts, e.g. --world=1,2,4,8"),
     ("memory_guide", ["--world=0,1"], "--world counts and --batch_size must be positive"),
     ("plot_runs", ["missing", "--out=runs.jpg"], "--out=runs.jpg: give a .png file name"),

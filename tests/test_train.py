@@ -15,11 +15,12 @@ from harness import EXPECTED_FILES, ckpt, metrics, python, raising, tiny_args, t
 
 def test_single_process_run_lowers_val_loss(char_data, tmp_path):
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    train_here(char_data, tmp_path, max_iters=60, eval_interval=30, log_interval=25)
+    train_here(char_data, tmp_path, max_iters=60, eval_interval=30, log_interval=25, peak_flops=1e9)
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # the run's are gone
     evals = [r for r in metrics(tmp_path) if "val_loss" in r]
     assert [(r["step"], r["tokens_seen"]) for r in evals] == [(0, 0), (30, 30 * 8 * 16), (60, 60 * 8 * 16)]
     assert [r["step"] for r in metrics(tmp_path) if "loss" in r] == [25, 50, 60]  # and the last step's
+    assert all(r["mfu"] > 0 for r in metrics(tmp_path) if "loss" in r)  # a CPU's peak_flops, given (it was ignored)
     from config import resolve
     from train import get_lr
     cfg = resolve(tiny_args(char_data, tmp_path, max_iters=60))
