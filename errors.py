@@ -90,6 +90,11 @@ def reported(debug: bool = False, also: tuple = ()):
             message = f"the output could not be written ({e.strerror}): free disk space where stdout goes"
         say(f"error: {message}")
         sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1 if isinstance(e, RunError) or full else 2)
+    except MemoryError as e:  # (numpy's names the allocation; a ulimit -v on a cluster's login host, say)
+        if debug:
+            traceback.print_exc()
+        say(f"error: out of memory ({first_line(e) or 'MemoryError'}): free memory on this host, or ask for less")
+        sys.exit(1)
     except Exception as e:  # torch.compile's failures (no C++ compiler, an op it cannot lower): a failed run
         if debug or not any(c.__name__ == "TorchDynamoException" for c in type(e).__mro__):
             raise

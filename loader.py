@@ -156,7 +156,7 @@ def read_dataset(cfg: Config, splits=("train", "val")) -> dict:
     """meta.json, checked against the token files of `splits` (eval.py reads val's) and against block_size."""
     data_dir = dataset_dir(cfg)
     try:
-        meta = load_meta(data_dir)
+        meta = load_meta(data_dir, splits=splits)
         check_token_files(data_dir, meta, splits=splits)
     except (OSError, ValueError) as e:
         raise ConfigError(str(e)) from None
@@ -224,8 +224,9 @@ class Dataset:
             try:
                 importlib.import_module(f"data.{self.cfg.dataset}.prepare").prepare(
                     out_dir=str(self.dir), **local_input)
-            except (OSError, ValueError, RuntimeError) as e:  # no corpus, not UTF-8, a full disk...
-                error = f"preparing {self.cfg.dataset} in {self.dir} failed: {e}"
+            except (OSError, ValueError, RuntimeError, MemoryError) as e:  # no corpus, not UTF-8, a full disk...
+                why = f"out of memory ({str(e) or 'MemoryError'})" if isinstance(e, MemoryError) else e  # (ulimit -v)
+                error = f"preparing {self.cfg.dataset} in {self.dir} failed: {why}"
         agree_or_raise(error, world, "preparing the dataset failed")
         if self.meta is None:
             try:

@@ -148,25 +148,26 @@ PROGRESS = ".progress.json"  # data/streaming.py's record of a preparation under
 def has_tokens(data_dir) -> bool:
     """Whether the folder holds a dataset to read (meta.json, or shards without one), or the start
     of one, or is no folder at all (which load_meta refuses: neither is to be prepared over)."""
-    return (Path(data_dir) / "meta.json").exists() or has_shards(data_dir) or bool(not_a_folder(data_dir))
+    return os.path.lexists(Path(data_dir) / "meta.json") or has_shards(data_dir) or bool(not_a_folder(data_dir))
 
 
 def has_shards(data_dir) -> bool:
     """Whether the folder holds token shards, or a preparation of them under way."""
     data_dir = Path(data_dir)
-    return (data_dir / PROGRESS).is_file() or (data_dir.is_dir() and any(is_loose_shard(p) for p in data_dir.iterdir()))
+    return os.path.lexists(data_dir / PROGRESS) or (data_dir.is_dir() and any(map(is_loose_shard, data_dir.iterdir())))
 
 
-def meta_from_shards(data_dir) -> dict:
-    """The meta of a folder of llm.c shards without meta.json: GPT-2 BPE tokens, split by name."""
+def meta_from_shards(data_dir, needed=("train", "val")) -> dict:
+    """The meta of a folder of llm.c shards without meta.json: GPT-2 BPE tokens, split by name (eval.py
+    needs only val's: llm.c's fineweb_val_000000.bin alone, say)."""
     data_dir = Path(data_dir)
     files = sorted(p for p in data_dir.iterdir() if is_loose_shard(p))
     splits = {"train": [p for p in files if "train" in p.name],
               "val": [p for p in files if "val" in p.name and "train" not in p.name]}
-    for split, paths in splits.items():
-        if not paths:
-            raise ValueError(f"{data_dir} has no meta.json and no *{split}*.bin shard: a folder of "
-                             f"pre-tokenized shards needs files named *train*.bin and *val*.bin")
+    for split in needed:
+        if not splits[split]:
+            raise ValueError(f"{data_dir} has no meta.json and no *{split}*.bin shard: a folder of pre-tokenized "
+                             f"shards needs files named {' and '.join(f'*{s}*.bin' for s in needed)}")
     headers = {p: read_shard_header(p) for p in files}
     dtypes = {dtype for dtype, _ in headers.values()}
     if len(dtypes) > 1:
@@ -235,7 +236,7 @@ def _valid_shard_list(meta: dict) -> str:
     return ""
 
 
-def load_meta(data_dir, fix: str = "") -> dict:
+def load_meta(data_dir, fix: str = "", splits=("train", "val")) -> dict:
     """meta.json of a prepared dataset (or the meta of a folder of shards without one); a clear
     error when the dataset is missing or incomplete, ending in `fix` (default: prepare it again)."""
     path = Path(data_dir) / "meta.json"
@@ -243,14 +244,16 @@ def load_meta(data_dir, fix: str = "") -> dict:
     if not_a_folder(data_dir):
         raise ValueError(f"data_dir {data_dir} is not a folder (a file, a link to nothing, or under a file): "
                          f"give the dataset's folder")
-    if path.exists() and not path.is_file():  # (a folder: it is no dataset's, nor the loose files' of nanoGPT)
-        raise ValueError(f"{path} is not a file: move it out of the way, then {again}")
+    # (a folder is no dataset's, nor the loose files' of nanoGPT; a link to nothing was read as no meta.json at all)
+    if os.path.lexists(path) and not path.is_file():
+        raise ValueError(f"{path} is {'a link to nothing (or a loop)' if path.is_symlink() else 'not a file'}: move "
+                         f"it out of the way, then {again}")
     if not path.is_file():
-        if (Path(data_dir) / PROGRESS).is_file():  # its shards are not the whole corpus
+        if os.path.lexists(Path(data_dir) / PROGRESS):  # its shards are not the whole corpus
             raise ValueError(f"{data_dir} holds an unfinished preparation ({PROGRESS} and no meta.json): run the "
                              f"dataset's prepare.py with the same arguments again, which finishes it")
         if has_tokens(data_dir):
-            return meta_from_shards(data_dir)
+            return meta_from_shards(data_dir, splits)
         raise FileNotFoundError(f"{path} not found: {fix or _prepare_again(data_dir, 'first')}")
     try:
         meta = read_json(path)

@@ -86,9 +86,13 @@ def local_source(pattern: str) -> Source:
     """Files matching a glob pattern (or one path), in sorted order; ** matches folders at any depth."""
     magic = any(c in pattern for c in "*?[") and not Path(pattern).is_file()  # ("notes [v1].txt" is a name)
     files = sorted(map(Path, glob.glob(pattern, recursive=True))) if magic else [Path(pattern)]
-    files = [f for f in files if f.is_file()]
-    if not files:
-        folder = f"is a folder: give its files ({pattern.rstrip('/')}/*.jsonl, say)" if Path(pattern).is_dir() else ""
+    unique = {}  # a file ** reaches twice (through a link to a folder) is one: its documents were in val and train
+    for f in files:
+        if f.is_file():
+            unique.setdefault(os.path.realpath(f), f)
+    if not (files := list(unique.values())):
+        folder = f"is a folder: give its files ({pattern.rstrip('/')}/*.jsonl, say)" if Path(pattern).is_dir() else \
+            "is not a regular file (a pipe or a device): give a file" if Path(pattern).exists() else ""
         raise FileNotFoundError(f"--input {pattern} {folder or 'matches no file'}")
     return Source([os.path.abspath(f) for f in files], lambda i: files[i], sizes=[f.stat().st_size for f in files],
                   description={"name": "local files", "input": os.path.abspath(pattern), "files": len(files)})

@@ -73,9 +73,9 @@ def gpt2_encoding(bpe_file=None, verbose: bool = True):
     local = {path: path.read_bytes() for path in (REPO_COPY, cache) if path.is_file()}
     verified = next((path for path, data in local.items() if sha256_bytes(data) == GPT2_TIKTOKEN_SHA256), None)
     if bpe_file:
-        if not Path(bpe_file).is_file():
-            raise ValueError(f"GPT-2 BPE file {bpe_file} (from {origin}) is "
-                             f"{'a folder' if Path(bpe_file).is_dir() else 'missing'}: point it at a gpt2.tiktoken "
+        if not Path(bpe_file).is_file():  # (a pipe was "missing")
+            what = "a folder" if Path(bpe_file).is_dir() else "not a file" if Path(bpe_file).exists() else "missing"
+            raise ValueError(f"GPT-2 BPE file {bpe_file} (from {origin}) is {what}: point it at a gpt2.tiktoken "
                              f"file, or leave it out to use {REPO_COPY.name} in data/")
         data = Path(bpe_file).read_bytes()
         check_sha256(data, GPT2_TIKTOKEN_SHA256, f"{bpe_file} (from {origin}; should be GPT-2's gpt2.tiktoken = "

@@ -543,6 +543,23 @@ def test_a_prepare_at_start_up_that_fails_is_one_line_naming_the_dataset(tmp_pat
     assert (code, err) == (2, f"error: preparing shakespeare_char in {fresh} failed: input file {latin1} is not UTF-8 "
                               f"text (byte 0xe9 at offset 3): convert it to UTF-8\n")
     assert not (fresh / "meta.json").exists() and nothing_written(tmp_path / "out")
+    import data.shakespeare_char.prepare as prepare  # a text too large for the memory (ulimit -v): a traceback
+
+    def too_large(**kwargs):
+        raise MemoryError()
+    monkeypatch.setattr(prepare, "prepare", too_large)
+    code, err = run_cli(tiny_args(fresh, tmp_path / "out"), monkeypatch, capsys)
+    assert (code, err) == (2, f"error: preparing shakespeare_char in {fresh} failed: out of memory (MemoryError)\n")
+
+
+def test_out_of_memory_anywhere_else_is_one_line(capsys):
+    """numpy's MemoryError names the allocation (a prepare script's text under ulimit -v): it was a traceback."""
+    from errors import reported
+    with pytest.raises(SystemExit) as ended, reported():
+        raise MemoryError("Unable to allocate 275. MiB for an array with shape (36000000,) and data type int64")
+    assert ended.value.code == 1 and capsys.readouterr().err == (
+        "error: out of memory (Unable to allocate 275. MiB for an array with shape (36000000,) and data type int64): "
+        "free memory on this host, or ask for less\n")
 
 
 @pytest.mark.slow

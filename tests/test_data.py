@@ -204,7 +204,8 @@ def test_gpt2_encoding_rejects_a_wrong_vocabulary_file(tmp_path, monkeypatch):
     monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(bad))
     with pytest.raises(ValueError, match=f"from \\$GPT2_TIKTOKEN_FILE; should be GPT-2's .*{GPT2_TIKTOKEN_SHA256}"):
         gpt2_encoding()
-    for given, problem in ((tmp_path / "none", "missing"), (tmp_path, "a folder")):  # once a traceback
+    os.mkfifo(tmp_path / "pipe")  # (it was "missing")
+    for given, problem in ((tmp_path / "none", "missing"), (tmp_path, "a folder"), (tmp_path / "pipe", "not a file")):
         monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(given))
         with pytest.raises(ValueError, match=f"file {given} \\(from \\$GPT2_TIKTOKEN_FILE\\) is {problem}: point"):
             gpt2_encoding()

@@ -515,6 +515,13 @@ def test_a_glob_may_name_folders_too(tmp_path):
     with pytest.raises(FileNotFoundError, match=re.escape(f"--input {tmp_path}/b is a folder: give its files "
                                                           f"({tmp_path}/b/*.jsonl, say)")):
         local_source(f"{tmp_path}/b")
+    # a link to a folder reaches its files twice: once each (its documents were in both val and train)
+    (tmp_path / "latest").symlink_to(tmp_path / "b")
+    assert local_source(f"{tmp_path}/**/*.jsonl").names == [*(f"{tmp_path}/{f}/x.jsonl" for f in ("a", "b/c", "b")),
+                                                            f"{tmp_path}/notes [v1].jsonl"]
+    os.mkfifo(tmp_path / "pipe.jsonl")  # (it "matches no file")
+    with pytest.raises(FileNotFoundError, match=re.escape(f"--input {tmp_path}/pipe.jsonl is not a regular file")):
+        local_source(f"{tmp_path}/pipe.jsonl")
 
 
 @pytest.mark.slow
@@ -621,6 +628,14 @@ def test_a_train_shard_whose_name_holds_val_is_not_validated_on(tmp_path):
     shards = meta_from_shards(tmp_path)["shards"]
     assert [[e["file"] for e in shards[s]] for s in ("train", "val")] == [["retrieval_train_000000.bin"],
                                                                           ["retrieval_val_000000.bin"]]
+    # eval.py reads val alone: llm.c's val shard by itself is a dataset to it (it wanted a *train*.bin too)
+    (tmp_path / "retrieval_train_000000.bin").unlink()
+    from loader import read_dataset
+    meta = read_dataset(Config(data_dir=str(tmp_path), block_size=64), ("val",))
+    assert meta["val_tokens"] == 3000 and meta["tokenizer"] == "gpt2"
+    with pytest.raises(ConfigError, match="no meta.json and no \\*train\\*.bin shard: a folder of pre-tokenized "
+                                          "shards needs files named \\*train\\*.bin and \\*val\\*.bin"):
+        read_dataset(Config(data_dir=str(tmp_path), block_size=64))
 
 
 @pytest.mark.parametrize("make, message", [
@@ -710,3 +725,20 @@ def test_a_data_dir_under_a_file_is_said_so_not_prepared(tmp_path, capsys):
     assert exit_info.value.code == 2 and capsys.readouterr().err == (
         f"error: data_dir {tmp_path / 'f' / 'data'} is not a folder (a file, a link to nothing, or under a file): "
         f"give the dataset's folder\n")
+
+
+def test_a_meta_json_link_to_nothing_is_refused_not_read_as_gpt2_shards(char_data, tmp_path):
+    """A shard folder whose meta.json was a link to nothing trained as llm.c's GPT-2 BPE shards (50,257 tokens),
+    without a word; a flat folder's said "no meta.json", and writing one as advised failed ("File exists")."""
+    from data.dataset import load_meta
+    shards, flat = shard_dataset(char_data, tmp_path / "shards"), Path(shutil.copytree(char_data, tmp_path / "flat"))
+    for folder in (shards, flat):
+        (folder / "meta.json").unlink()
+        (folder / "meta.json").symlink_to(tmp_path / "gone.json")
+        with pytest.raises(ValueError, match=f"^{folder / 'meta.json'} is a link to nothing \\(or a loop\\): move it "
+                                             f"out of the way, then"):
+            load_meta(folder)
+    (shards / "meta.json").unlink()
+    (shards / ".progress.json").symlink_to(tmp_path / "gone.json")  # an unfinished preparation's, all the same
+    with pytest.raises(ValueError, match="holds an unfinished preparation"):
+        load_meta(shards)
