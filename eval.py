@@ -27,7 +27,7 @@ from errors import ArgumentParser, ConfigError, reported
 from evals import hellaswag
 from loader import dataset_dir, eval_starts, read_dataset, token_splits
 from evals.loss import val_loss
-from world import autocast, place
+from world import autocast, available_memory, place
 
 
 def parse_args(argv=None):
@@ -83,6 +83,12 @@ def main(argv=None):
         error = None
         try:  # a rank whose copy of something is missing stops every rank, with its message
             model, meta, name = pretrained.load_for_text(args.init_from, args.out_dir, world.device, args.checkpoint)
+            # a lower bound, one forward's float32 logits (HellaSwag's: an example's 4 endings at least)
+            need = 4 * max(args.batch_size, 4) * model.config.block_size * model.config.padded_vocab_size
+            if need > (free := available_memory(world.device, world.local_size)):  # (else a traceback, or killed)
+                raise ConfigError(f"--batch_size={args.batch_size} needs at least {need / 1e9:,.1f} GB for one "
+                                  f"forward's logits, but {world.device} has {free / 1e9:,.1f} GB available: give a "
+                                  f"smaller --batch_size")
             val = val_split(args, model, meta) if args.dataset or args.data_dir else None
             examples = score = None
             if not args.no_hellaswag:

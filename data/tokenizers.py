@@ -85,13 +85,13 @@ def gpt2_encoding(bpe_file=None, verbose: bool = True):
         enc, how = _gpt2_from_bpe(local[verified]), f"local file {verified}"
     else:
         for path in local:
-            print(f"note: ignoring {path}: its sha256 is not GPT-2's")
+            print(f"note: ignoring {path}: its sha256 is not GPT-2's", file=sys.stderr)  # (not sample.py's text)
         try:
             import tiktoken
             enc, how = tiktoken.get_encoding("gpt2"), "tiktoken"
         except Exception as e:  # noqa: BLE001 - offline, blocked, or a broken tiktoken cache
             print(f"tiktoken.get_encoding('gpt2') failed ({type(e).__name__}: {str(e)[:120]}); "
-                  f"taking the vocabulary from the {WHISPER_PACKAGE} sdist")
+                  f"taking the vocabulary from the {WHISPER_PACKAGE} sdist", file=sys.stderr)
             data = _gpt2_bpe_from_whisper()
             try:
                 atomic_write_bytes(cache, data)

@@ -209,6 +209,10 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
                         ("--limit=-1", "--limit must be >= 0, got -1"),
                         ("--dtype=float8", "--dtype must be auto, float32, bfloat16 or float16, got 'float8'")]:
         assert needle in fails(["--init_from", hf_folder, bad], capsys)
+    # a batch whose logits cannot fit: it was the allocator's traceback (or, just under the memory, a kill)
+    assert re.search(r"^error: --batch_size=10000000 needs at least [\d,.]+ GB for one forward's logits, but cpu has "
+                     r"[\d,.]+ GB available: give a smaller --batch_size$",
+                     fails(["--init_from", hf_folder, "--hellaswag", hs_file, "--batch_size=10000000"], capsys))
     monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(tmp_path / "no.tiktoken"))  # was a traceback
     error = fails(["--init_from", hf_folder, "--hellaswag", hs_file], capsys)
     assert f"HellaSwag needs GPT-2's tokenizer: GPT-2 BPE file {tmp_path / 'no.tiktoken'}" in error
