@@ -101,11 +101,11 @@ REPO = Path(__file__).resolve().parent  # configs/, data/
 FIELD_TYPES = typing.get_type_hints(Config)
 PER_HOST = ("out_dir", "data_dir", "prepare_input", "hellaswag_path", "device")  # may differ between ranks
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+LAUNCHERS = ("nproc", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "standalone", "rdzv_id",
+             "rdzv_backend", "rdzv_endpoint", "rdzv_conf", "max_restarts", "monitor_interval", "start_method",
+             "log_dir", "redirects", "tee", "rank", "world_size", "local_world_size")  # (torchrun's options, ranks)
 ELSEWHERE = {  # names the launchers or nanoGPT take, and what does their job here
-    **dict.fromkeys(("nproc", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "standalone",
-                     "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "max_restarts", "monitor_interval",
-                     "start_method", "log_dir", "redirects", "tee", "rank", "world_size", "local_world_size"),
-                    "it is a launcher's option: for N processes run python train_spawn.py --nproc=N ... "
+    **dict.fromkeys(LAUNCHERS, "it is a launcher's option: for N processes run python train_spawn.py --nproc=N ... "
                     "or torchrun --nproc_per_node=N train.py ..."),
     "gradient_accumulation_steps": "give global_batch_size = batch_size x nanoGPT's gradient_accumulation_steps "
                                    "instead (sequences per optimizer step, over all processes)",
@@ -124,8 +124,8 @@ CHOICES = {
 def _show(value, limit: int = 80) -> str:
     try:
         text = repr(value)
-    except ValueError:  # an integer of over 4,300 digits
-        text = f"an integer of {value.bit_length()} bits"
+    except ValueError:  # an integer of over 4,300 digits, or a list or dict holding one
+        text = f"an integer of {value.bit_length()} bits" if isinstance(value, int) else f"a {type(value).__name__}"
     return text if len(text) <= limit else text[:limit - 5] + "[...]"
 
 
@@ -282,9 +282,9 @@ def resolve(args: list[str]) -> Config:
                 try:
                     values[name] = check_type(name, value)
                 except ConfigError as e:  # (of several files given, say which)
-                    # (not for a name whose job is done elsewhere: as a helper it would be dropped silently)
-                    own = " (or start a helper name of the file's own with _)" * (name not in [*FIELD_TYPES,
-                                                                                                *ELSEWHERE])
+                    # (not for nanoGPT's names whose job is done elsewhere: as helpers they would be dropped silently)
+                    own = " (or start a helper name of the file's own with _)" * (
+                        name not in FIELD_TYPES and (name in LAUNCHERS or name not in ELSEWHERE))
                     raise ConfigError(f"{arg}: {e}{own}") from None
         else:
             raise ConfigError(f"'{arg}' is neither a config file (.py) nor a --name=value override")

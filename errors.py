@@ -90,14 +90,14 @@ def reported(debug: bool = False, also: tuple = ()):
             message = f"the output could not be written ({e.strerror}): free disk space where stdout goes"
         say(f"error: {message}")
         sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1 if isinstance(e, RunError) or full else 2)
-    except MemoryError as e:  # (numpy's names the allocation; a ulimit -v on a cluster's login host, say)
-        if debug:
-            traceback.print_exc()
-        say(f"error: out of memory ({first_line(e) or 'MemoryError'}): free memory on this host, or ask for less")
-        sys.exit(1)
     except Exception as e:  # torch.compile's failures (no C++ compiler, an op it cannot lower): a failed run
-        if debug or not any(c.__name__ == "TorchDynamoException" for c in type(e).__mro__):
+        # out of memory: Python's, numpy's (naming the allocation: a ulimit -v, say), torch's CPU allocator's, CUDA's
+        oom = isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e)
+        if debug or not (oom or any(c.__name__ == "TorchDynamoException" for c in type(e).__mro__)):
             raise
+        if oom:
+            say(f"error: out of memory ({first_line(e) or 'MemoryError'}): free memory on this host, or ask for less")
+            sys.exit(1)
         inner = getattr(e, "inner_exception", None) or e  # what the compiler itself raised
         say(f"error: torch.compile failed ({type(inner).__name__}: {first_line(inner)}): run with --compile=False")
         sys.exit(1)
@@ -173,12 +173,15 @@ class GlobalBatchIndivisible(ConfigError):
         keep = next((b for b in range(min(batch_size - 1, 10**6), 0, -1) if global_batch_size % (b * world_size) == 0),
                     None)
         fits = max(w for w in range(1, min(world_size, 10**6)) if global_batch_size % w == 0) if not keep else 0
+        fits_batch = next((b for b in range(min(batch_size, 10**6), 0, -1) if global_batch_size % (b * fits) == 0), 1) \
+            if fits else 0  # (the batch_size that fits splits the global batch over that many processes)
         super().__init__(
             f"global_batch_size ({global_batch_size}) must be divisible by batch_size ({batch_size}) "
             f"x world size ({world_size}) = {per_round}: try --global_batch_size={near}"
             + (f", or --batch_size={keep}, which keeps the global batch (a resume must)" if keep else
-               f" (a resume must keep {global_batch_size}: launch it on {fits} process{'es' * (fits > 1)}, or another "
-               f"number that divides {global_batch_size})"))
+               f" (a resume must keep {global_batch_size}: launch it on {fits} process{'es' * (fits > 1)}"
+               + f" with --batch_size={fits_batch}" * (fits_batch != batch_size)
+               + f", or another number that divides {global_batch_size})"))
 
 
 def write_failure(e: OSError) -> str:

@@ -182,15 +182,17 @@ def memory_problem(model_cfg, cfg, world: World):
     logits = 4 * cfg.batch_size * cfg.block_size * model_cfg.padded_vocab_size
     available = available_memory(world.device, world.local_size)
     if state + logits > available:  # (fsdp_shard_size below the world: more processes shrink no shard)
+        # (a host's processes share its memory: fewer of them help where each holds the whole model)
+        cpu = "fewer processes on this host, or " * (world.local_size > 1 and world.strategy != "fsdp") + "more hosts"
         more = "--fsdp_shard_size=0, which shards over every rank" if world.strategy == "fsdp" and \
-            world.shard_size < world.size else ("more hosts (a host's processes share its memory)" if world.device.type
-                                                == "cpu" else "more processes") + " with --strategy=fsdp" * (
-                                                world.strategy != "fsdp")
+            world.shard_size < world.size else (cpu if world.device.type == "cpu" else "more processes") + \
+            " with --strategy=fsdp" * (world.strategy != "fsdp")
+        smaller = "block_size" if cfg.batch_size == 1 else "batch_size"  # (sharding leaves the logits whole)
         return (f"this model needs at least {(state + logits) / 1e9:,.1f} GB per process ({n / 1e6:,.0f}M "
                 f"parameters: {state / 1e9:,.1f} GB of weights, gradients and AdamW moments, "
                 f"{logits / 1e9:,.1f} GB of logits for batch_size={cfg.batch_size}), but {world.device} has "
-                f"{available / 1e9:,.1f} GB available: " + ("choose a smaller batch_size (sharding leaves the logits "
-                "whole)" if logits >= available else f"choose a smaller model or batch_size, or {more}"))
+                f"{available / 1e9:,.1f} GB available: choose a smaller " + (f"{smaller}" + " and model" * (
+                    state >= available) if logits >= available else f"model or batch_size, or {more}"))
     table, host = 16 * cfg.global_batch_size, available_memory(torch.device("cpu"), world.local_size)
     if table > host:  # the loader's epoch holds every window's start (int64), twice while it is made
         return (f"global_batch_size={cfg.global_batch_size:,} needs at least {table / 1e9:,.1f} GB per process for the "

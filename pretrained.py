@@ -119,7 +119,8 @@ def locate(init_from: str) -> Path:
             hint = (" (its weights are in shards, which are not read: save it with a larger max_shard_size)"
                     if (folder / "model.safetensors.index.json").exists() else
                     " (a checkpoint of this repo's: sample.py reads a run's folder as --out_dir, train.py continues"
-                    " it with --resume=PATH)" if folder.suffix in (".pt", ".dcp") or any(folder.glob("last.*")) else
+                    " it with --resume=PATH)" if folder.exists() and (folder.suffix in (".pt", ".dcp")
+                                                                     or any(folder.glob("last.*"))) else
                     "" if folder.exists() else near_gpt2_name(init_from))
             raise ConfigError(f"init_from {init_from}: no Hugging Face GPT-2 model there (a folder with "
                               f"config.json and model.safetensors or pytorch_model.bin){hint}")

@@ -217,18 +217,19 @@ def available_memory(device: torch.device, local_size: int = 1) -> int:
 def cgroup_memory_limit(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int:
     """The tightest memory limit of this process's cgroup and those above it (v2's memory.max, v1's
     memory.limit_in_bytes), or 2**62 where none is set or can be read."""
-    limits = [2**62]
-    with open(proc) as f:
-        for _, controllers, path in (line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2):
-            if controllers and "memory" not in controllers.split(","):  # ("": cgroup v2's one hierarchy)
-                continue
-            base = Path(root, "memory" if controllers else "")  # (a container's own cgroup is mounted as it)
-            for folder in (base / path.lstrip("/"), *(base / path.lstrip("/")).parents):
-                for name in ("memory.max", "memory.limit_in_bytes"):
-                    with suppress(OSError):
-                        limits.append(int(text) if (text := (folder / name).read_text().strip()).isdigit() else 2**62)
-                if folder == base:
-                    break
+    limits, lines = [2**62], []
+    with suppress(OSError):  # (then MemAvailable alone)
+        lines = [line.split(":", 2) for line in Path(proc).read_text().splitlines() if line.count(":") >= 2]
+    for _, controllers, path in lines:
+        if controllers and "memory" not in controllers.split(","):  # ("": cgroup v2's one hierarchy)
+            continue
+        base = Path(root, "memory" if controllers else "")  # (a container's own cgroup is mounted as it)
+        for folder in (base / path.lstrip("/"), *(base / path.lstrip("/")).parents):
+            for name in ("memory.max", "memory.limit_in_bytes"):
+                with suppress(OSError):
+                    limits.append(int(text) if (text := (folder / name).read_text().strip()).isdigit() else 2**62)
+            if folder == base:
+                break
     return min(limits)
 
 

@@ -31,7 +31,7 @@ srun --cpus-per-task="$SLURM_CPUS_PER_TASK" \
     train.py "$@"
 
 # srun alone, without torchrun: one task per GPU (#SBATCH --ntasks-per-node=8 and
-# --cpus-per-task=4 above). train.py reads SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID, and
-# takes MASTER_ADDR from the first node of the list and MASTER_PORT from the job and step ids.
+# --cpus-per-task=4 above). train.py reads SLURM_PROCID, SLURM_STEP_NUM_TASKS and SLURM_LOCALID,
+# and takes MASTER_ADDR from the first node of the list and MASTER_PORT from the job and step ids.
 #
 #   srun --cpus-per-task="$SLURM_CPUS_PER_TASK" python train.py "$@"

@@ -186,8 +186,11 @@ CASES = [
      None, r"config 'seed' must be an integer from -2\*\*63 to 2\*\*63 - 1, got an integer of 33220 bits"),
     ("a huge integer for a float", lambda d: [str(write_bytes(d.parent / "big.py", b"learning_rate = 10**5000\n"))],
      None, r"'learning_rate' must be a finite number, got an integer of 16610 bits$"),  # (repr raised: a traceback)
+    ("a huge integer in a list", lambda d: [str(write_bytes(d.parent / "big.py", b"learning_rate = [10**5000]\n"))],
+     None, r"'learning_rate' must be float, got a list \(list\)$"),  # (the fallback raised AttributeError)
     ("a huge micro-batch", ["--batch_size=10000000000", "--global_batch_size=10000000001"], None,  # (it spun for hours)
-     r"try --global_batch_size=20000000000 \(a resume must keep 10000000001: launch it on 1 process,"),
+     r"try --global_batch_size=20000000000 \(a resume must keep 10000000001: launch it on 1 process with "
+     r"--batch_size=357641, or another"),  # (where batch_size would not split it either: it said 1 process alone)
     ("global batch vs micro-batch", ["--global_batch_size=10", "--batch_size=3"], None,
      r"global_batch_size \(10\) must be divisible by batch_size \(3\) x world size \(2\) = 6: "
      r"try --global_batch_size=12"),
@@ -445,7 +448,7 @@ def test_train_spawn_exits_2_and_debug_shows_the_traceback(char_data, tmp_path, 
 @pytest.mark.parametrize("launcher, args, message", [
     ("train_spawn.py", ["--nproc=4", "--global_batch_size=6"],
      "global_batch_size (6) must be divisible by batch_size (4) x world size (4) = 16: try --global_batch_size=16 "
-     "(a resume must keep 6: launch it on 3 processes, or another number that divides 6)"),
+     "(a resume must keep 6: launch it on 3 processes with --batch_size=2, or another number that divides 6)"),
     ("bench.py", ["--nproc=4", "--strategies=fsdp", "--strategy=fsdp", "--fsdp_shard_size=3", "--global_batch_size=48"],
      "fsdp_shard_size (3) must divide the world size (4): e.g. the processes per host, 4"),
 ])
@@ -560,6 +563,11 @@ def test_out_of_memory_anywhere_else_is_one_line(capsys):
     assert ended.value.code == 1 and capsys.readouterr().err == (
         "error: out of memory (Unable to allocate 275. MiB for an array with shape (36000000,) and data type int64): "
         "free memory on this host, or ask for less\n")
+    with pytest.raises(SystemExit) as ended, reported():  # torch's CPU allocator's (eval.py's forward, say)
+        torch.empty(2**50, dtype=torch.uint8)
+    assert ended.value.code == 1 and re.fullmatch(r"error: out of memory \(.*can't allocate memory: you tried to "
+                                                  r"allocate 1125899906842624 bytes.*\): free memory on this host, or "
+                                                  r"ask for less\n", capsys.readouterr().err)
 
 
 @pytest.mark.slow

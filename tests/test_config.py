@@ -36,6 +36,10 @@ def test_unknown_name_suggests_the_closest_valid_name(tmp_path):
     for name in ("world_size", "rank", "monitor_interval"):  # they suggested block_size, ..., log_interval
         with pytest.raises(ConfigError, match=f"unknown config name '{name}': it is a launcher's option"):
             resolve([f"--{name}=2"])
+    cfg_file.write_text("log_dir = 'runs/x'\n")  # a launcher's name, but a helper's too
+    with pytest.raises(ConfigError, match="it is a launcher's option: .* \\(or start a helper name of the file's own "
+                                          "with _\\)$"):
+        resolve([str(cfg_file)])
     cfg_file.write_text("lr_decay_iters = max_iters\n")  # nanoGPT's configurator ran files among the defaults
     with pytest.raises(ConfigError, match="line 1: NameError: name 'max_iters' is not defined \\(a config file sees "
                                           "only the names it sets: not the defaults, nor another file's\\)$"):

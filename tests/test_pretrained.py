@@ -522,6 +522,7 @@ def test_sample_init_from_missing_folder_is_one_line(tmp_path, fails_with):
     for init_from in (tmp_path / "run", tmp_path / "run" / "last.pt"):
         fails_with(["sample.py", f"--init_from={init_from}"], "(a checkpoint of this repo's: sample.py reads a run's "
                    "folder as --out_dir, train.py continues it with --resume=PATH)")
+    assert "checkpoint" not in fails_with(["sample.py", "--init_from=gpt2.pt"], "did you mean 'gpt2'?")  # (none there)
     fails_with(["eval.py", "--init_from=openai-community/gpt2-xl"], "did you mean 'gpt2-xl'?")  # (the hub's name)
     assert "did you mean" not in fails_with(["sample.py", f"--init_from={tmp_path / 'ft' / 'gpt2-large'}"])  # a path
     for tool in ("sample.py", "eval.py"):  # --out_dir was ignored without a word

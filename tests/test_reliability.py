@@ -244,14 +244,15 @@ def test_the_memory_bound_counts_one_micro_batchs_logits_and_only_this_ranks_sha
     state, logits = 16 * model.n_params, 4 * 8 * 64 * model.padded_vocab_size
     fsdp = lambda shard_size: World(size=4, strategy="fsdp", shard_size=shard_size)  # noqa: E731
     # (on the CPU a host's processes share its memory: "more processes" on one host could never pass)
-    ddp, hsdp, more = "more hosts (a host's processes share its memory) with --strategy=fsdp", \
-        "--fsdp_shard_size=0, which shards over", "more hosts (a host's processes share its memory)"
+    ddp, hsdp, more = "more hosts with --strategy=fsdp", "--fsdp_shard_size=0, which shards over", "more hosts"
     gpu = World(device=torch.device("cuda", 0))
     for free, world, refused in [(state + logits - 1, World(), ddp), (state + logits, World(), None),
                                  (state // 4 + logits, fsdp(4), None), (state // 4 + logits - 1, fsdp(4), more),
                                  (state // 4 + logits, fsdp(2), hsdp),  # (HSDP: more processes were advised)
                                  (state // 4 + logits, World(size=4, shard_size=4), ddp),  # DDP: whole
-                                 (state + logits - 1, gpu, "more processes with --strategy=fsdp")]:
+                                 (state + logits - 1, gpu, "more processes with --strategy=fsdp"),
+                                 (state + logits - 1, World(size=2, local_size=2),  # each holds the whole model
+                                  "fewer processes on this host, or more hosts with --strategy=fsdp")]:
         monkeypatch.setattr(parallel, "available_memory", lambda device, local_size, free=free: free)
         problem = parallel.memory_problem(model, cfg, world)
         assert (problem is not None) == bool(refused), (free, world)
@@ -259,8 +260,10 @@ def test_the_memory_bound_counts_one_micro_batchs_logits_and_only_this_ranks_sha
             f"choose a smaller model or batch_size, or {refused}" + " every rank" * (refused == hsdp)), problem
     cfg.batch_size = 100 * cfg.batch_size  # the logits alone past the memory: sharding the model cannot help
     monkeypatch.setattr(parallel, "available_memory", lambda device, local_size: 100 * logits)
-    assert parallel.memory_problem(model, cfg, fsdp(4)).endswith(
-        "choose a smaller batch_size (sharding leaves the logits whole)")
+    assert parallel.memory_problem(model, cfg, fsdp(4)).endswith("available: choose a smaller batch_size")
+    cfg.batch_size, cfg.block_size = 1, 800 * 64  # one sequence already: a shorter one; the state too: a smaller model
+    monkeypatch.setattr(parallel, "available_memory", lambda device, local_size: min(100 * logits, state - 1))
+    assert parallel.memory_problem(model, cfg, World()).endswith("available: choose a smaller block_size and model")
 
 
 def test_the_memory_bound_is_the_cgroups_limit_where_it_is_below_the_hosts(tmp_path, monkeypatch):
@@ -278,6 +281,7 @@ def test_the_memory_bound_is_the_cgroups_limit_where_it_is_below_the_hosts(tmp_p
     assert world.cgroup_memory_limit(str(proc), str(root)) == 2000
     proc.write_text("4:memory:/elsewhere\n0::/\n")  # a container's cgroup, mounted as the root: none here
     assert world.cgroup_memory_limit(str(proc), str(root)) == 2**62
+    assert world.cgroup_memory_limit(str(tmp_path / "none"), str(root)) == 2**62  # (MemAvailable then, not 2**62)
     monkeypatch.setattr(world, "cgroup_memory_limit", lambda: 4 * 2**20)
     assert world.available_memory(torch.device("cpu"), local_size=2) == 2 * 2**20
 
