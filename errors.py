@@ -91,16 +91,23 @@ def reported(debug: bool = False, also: tuple = ()):
         say(f"error: {message}")
         sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1 if isinstance(e, RunError) or full else 2)
     except Exception as e:  # torch.compile's failures (no C++ compiler, an op it cannot lower): a failed run
-        # out of memory: Python's, numpy's (naming the allocation: a ulimit -v, say), torch's CPU allocator's, CUDA's
-        oom = isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e)
+        oom = out_of_memory(e)
         if debug or not (oom or any(c.__name__ == "TorchDynamoException" for c in type(e).__mro__)):
             raise
         if oom:
-            say(f"error: out of memory ({first_line(e) or 'MemoryError'}): free memory on this host, or ask for less")
+            say(f"error: {oom}: free memory on this host, or ask for less")
             sys.exit(1)
         inner = getattr(e, "inner_exception", None) or e  # what the compiler itself raised
         say(f"error: torch.compile failed ({type(inner).__name__}: {first_line(inner)}): run with --compile=False")
         sys.exit(1)
+
+
+def out_of_memory(e: BaseException):
+    """"out of memory (what could not be had)" for Python's, numpy's (naming the allocation: a ulimit -v, say),
+    torch's CPU allocator's or CUDA's error; None for any other."""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e):
+        return f"out of memory ({first_line(e) or type(e).__name__})"
+    return None
 
 
 def interrupted(signum: int) -> str:
@@ -169,12 +176,11 @@ class GlobalBatchIndivisible(ConfigError):
     def __init__(self, global_batch_size: int, batch_size: int, world_size: int):
         per_round = batch_size * world_size
         near = max(per_round, round(global_batch_size / per_round) * per_round)
-        # (the largest of the first million candidates: a search to 10**10 took hours)
-        keep = next((b for b in range(min(batch_size - 1, 10**6), 0, -1) if global_batch_size % (b * world_size) == 0),
-                    None)
-        fits = max(w for w in range(1, min(world_size, 10**6)) if global_batch_size % w == 0) if not keep else 0
-        fits_batch = next((b for b in range(min(batch_size, 10**6), 0, -1) if global_batch_size % (b * fits) == 0), 1) \
-            if fits else 0  # (the batch_size that fits splits the global batch over that many processes)
+        # the largest n <= most that splits the global batch, of the first million (a search to 10**10 took hours)
+        largest = lambda most, split: next((n for n in range(min(most, 10**6), 0, -1) if split(n)), None)  # noqa: E731
+        keep = largest(batch_size - 1, lambda b: global_batch_size % (b * world_size) == 0)
+        fits = largest(world_size - 1, lambda w: global_batch_size % w == 0) if not keep else 0  # processes
+        fits_batch = largest(batch_size, lambda b: global_batch_size % (b * fits) == 0) if fits else 0  # (1 splits)
         super().__init__(
             f"global_batch_size ({global_batch_size}) must be divisible by batch_size ({batch_size}) "
             f"x world size ({world_size}) = {per_round}: try --global_batch_size={near}"

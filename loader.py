@@ -21,7 +21,7 @@ import torch
 
 from config import REPO, Config
 from data.dataset import Shard, check_token_files, has_tokens, load_meta, other_source, split_shards
-from errors import BadTokenId, ConfigError
+from errors import BadTokenId, ConfigError, out_of_memory
 from collectives import agree_or_raise, differs_from_rank0
 
 
@@ -225,8 +225,7 @@ class Dataset:
                 importlib.import_module(f"data.{self.cfg.dataset}.prepare").prepare(
                     out_dir=str(self.dir), **local_input)
             except (OSError, ValueError, RuntimeError, MemoryError) as e:  # no corpus, not UTF-8, a full disk...
-                why = f"out of memory ({str(e) or 'MemoryError'})" if isinstance(e, MemoryError) else e  # (ulimit -v)
-                error = f"preparing {self.cfg.dataset} in {self.dir} failed: {why}"
+                error = f"preparing {self.cfg.dataset} in {self.dir} failed: {out_of_memory(e) or e}"
         agree_or_raise(error, world, "preparing the dataset failed")
         if self.meta is None:
             try:
