@@ -9,6 +9,7 @@ train.py's own entry point, so there is no second copy of the training code.
 
 import logging
 import os
+import select
 import signal
 import socket
 import sys
@@ -62,6 +63,15 @@ def main(argv=None):
         run(known.nproc, args, Path(errors))
 
 
+def reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader went away (the kernel flags its writing end with POLLERR)."""
+    try:
+        (poll := select.poll()).register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poll.poll(0))
+    except (AttributeError, ValueError, OSError):  # no stdout at all (>&-)
+        return False
+
+
 def run(nproc: int, args: list, errors: Path):
     interrupted = mp.get_context("spawn").Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: the ranks start ignoring it (see worker)
@@ -79,8 +89,8 @@ def run(nproc: int, args: list, errors: Path):
         while not context.join():
             pass
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
-        if 128 + signal.SIGPIPE in [p.exitcode for p in context.processes]:  # `| head`: a pipe's writer's end,
-            sys.exit(128 + signal.SIGPIPE)  # quietly (the others' lines say only that it went)
+        if reader_gone():  # `| head`: a pipe's writer's end, quietly (the ranks' lines say only that it went;
+            sys.exit(128 + signal.SIGPIPE)  # the rank that found it may still be exiting, or ended by mp: not 141)
         said = [(errors / str(rank)).read_text("utf-8") for rank in range(nproc) if (errors / str(rank)).exists()]
         own = [line for line in said if not line.endswith(SEE_OTHER_RANK)]  # (that message is here too)
         for line in dict.fromkeys(own or said):  # each distinct line once, in rank order
