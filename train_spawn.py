@@ -37,6 +37,7 @@ def worker(rank: int, nproc: int, args: list[str], errors: str, interrupted):
                       LOCAL_WORLD_SIZE=str(nproc), ERRORS_TO=errors)  # errors.say writes its line there
     with reported():  # Ctrl-C is ignored while a rank imports torch (each printed a traceback): one line here
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))  # (blocked by run: inherited)
         if interrupted.is_set() or not mp.parent_process().is_alive():  # (or killed before mp set a death signal:
             raise KeyboardInterrupt  # an orphan trained on)
     train.cli(args)
@@ -74,6 +75,8 @@ def reader_gone() -> bool:
 
 def run(nproc: int, args: list, errors: Path):
     interrupted = mp.get_context("spawn").Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # held here, not lost, until forward() is in place
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: the ranks start ignoring it (see worker)
     context = mp.spawn(worker, args=(nproc, args, str(errors), interrupted), nprocs=nproc, join=False)
 
@@ -83,8 +86,9 @@ def run(nproc: int, args: list, errors: Path):
         for p in context.processes:
             if p.is_alive():
                 os.kill(p.pid, signum)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in signals:
         signal.signal(sig, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
     try:
         while not context.join():
             pass

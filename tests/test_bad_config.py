@@ -491,6 +491,35 @@ def test_train_spawn_exits_as_its_rank_did(char_data, tmp_path, script, monkeypa
     assert proc.returncode == expected and proc.stderr == said, (proc.returncode, proc.stderr)
 
 
+def test_a_signal_while_train_spawn_starts_its_ranks_is_passed_on(tmp_path, monkeypatch):
+    """A Ctrl-C that came while mp.spawn was still starting the ranks was lost: the launcher ignored it
+    until its forwarding handler was in place, and the ranks, still importing torch, ignored it too."""
+    import torch.multiprocessing as mp
+    import train_spawn
+    kill, sent = os.kill, []
+
+    class Started:
+        processes = [type("Rank", (), {"pid": 4242, "is_alive": lambda self: True})()]
+
+        def join(self):
+            return True
+
+    def spawn(worker, args, **kwargs):
+        kill(os.getpid(), signal.SIGINT)  # (the terminal's Ctrl-C reaches the launcher as it starts rank 1)
+        Started.interrupted = args[3]
+        return Started()
+    monkeypatch.setattr(mp, "spawn", spawn)
+    monkeypatch.setattr(os, "kill", lambda pid, signum: sent.append((pid, signum)))
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        train_spawn.run(2, [], tmp_path)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, list(previous))
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert sent == [(4242, signal.SIGINT)] and Started.interrupted.is_set()
+
+
 def _train_rank_recording_config_errors(rank, world_size, args, damage_on_rank1=True, rank1_args=(), rank1_env=None):
     """ranks_say: train.main on each rank (rank1_args added on rank 1, and rank1_env to its environment)."""
     import loader
