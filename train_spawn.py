@@ -35,7 +35,7 @@ def free_port() -> int:
 def worker(rank: int, nproc: int, args: list[str], errors: str, interrupted):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), ERRORS_TO=errors)  # errors.say writes its line there
-    with reported():  # Ctrl-C is ignored while a rank imports torch (each printed a traceback): one line here
+    with reported():  # Ctrl-C is held while a rank imports torch (each printed a traceback): one line here
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))  # (blocked by run: inherited)
         if interrupted.is_set() or not mp.parent_process().is_alive():  # (or killed before mp set a death signal:
@@ -75,20 +75,25 @@ def reader_gone() -> bool:
 
 def run(nproc: int, args: list, errors: Path):
     interrupted = mp.get_context("spawn").Event()
-    signals = (signal.SIGTERM, signal.SIGINT)
-    signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # held here, not lost, until forward() is in place
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: the ranks start ignoring it (see worker)
-    context = mp.spawn(worker, args=(nproc, args, str(errors), interrupted), nprocs=nproc, join=False)
+    signals, context, held = (signal.SIGTERM, signal.SIGINT), None, []
 
     def forward(signum, frame):  # SIGTERM (a scheduler) and SIGINT (kill -INT), as torchrun does: each rank stops
         if signum == signal.SIGINT:  # at a step boundary and saves (a terminal's Ctrl-C reaches them too)
-            interrupted.set()  # (a rank still starting, ignoring it, reads this)
+            interrupted.set()  # (a rank not yet in its worker reads this)
+        if context is None:  # still spawning: passed on once the ranks exist
+            return held.append(signum)
         for p in context.processes:
             if p.is_alive():
                 os.kill(p.pid, signum)
-    for sig in signals:
+    for sig in signals:  # in place before spawning: torch's own threads here would take a signal otherwise
         signal.signal(sig, forward)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # inherited: the ranks start with both held (see worker)
+    try:
+        context = mp.spawn(worker, args=(nproc, args, str(errors), interrupted), nprocs=nproc, join=False)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+    for signum in held:
+        forward(signum, None)
     try:
         while not context.join():
             pass
