@@ -74,7 +74,8 @@ def reader_gone() -> bool:
 
 
 def run(nproc: int, args: list, errors: Path):
-    interrupted = mp.get_context("spawn").Event()
+    interrupted = mp.get_context("spawn").Event()  # (before the mask below: this starts mp's resource tracker,
+    # and starting it unblocks SIGINT and SIGTERM again)
     signals, context, held = (signal.SIGTERM, signal.SIGINT), None, []
 
     def forward(signum, frame):  # SIGTERM (a scheduler) and SIGINT (kill -INT), as torchrun does: each rank stops

@@ -87,7 +87,7 @@ def test_a_signal_to_train_spawn_reaches_every_rank_which_saves_and_stops(char_d
 
 def test_ctrl_c_while_train_spawns_ranks_start_is_one_line(char_data, tmp_path):
     """A terminal's Ctrl-C reaches the whole process group: ranks still importing torch each printed a
-    KeyboardInterrupt traceback. They start ignoring SIGINT, and take it where it is one line."""
+    KeyboardInterrupt traceback. They start with SIGINT held, and take it where it is one line."""
     proc = subprocess.Popen([sys.executable, "train_spawn.py", "--nproc=2", *tiny_args(char_data, tmp_path)],
                             cwd=REPO, env=child_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)  # (a group of its own, as a terminal's foreground job)
