@@ -124,10 +124,9 @@ class Block(nn.Module):
 
 
 def cross_entropy(logits, targets, vocab_size: int):
-    """Mean loss of logits (..., padded V) against targets (-1: not counted). The padding ids past
-    vocab_size score -inf: probability 0 and a gradient of exactly 0 (a slice's backward would write
-    the padded gradient in a pass of its own). Only the loss sees this mask: compiled, it fuses into
-    the loss kernels, and no masked copy of the logits is written out."""
+    """Mean loss of logits (..., padded V) against targets (-1: not counted). Padding ids past vocab_size
+    score -inf: probability 0 and a gradient of exactly 0 (a slice's backward would write the padded
+    gradient in a pass of its own). Compiled, the mask fuses into the loss kernels: no masked copy is written."""
     if logits.size(-1) > vocab_size:
         logits = logits.masked_fill(torch.arange(logits.size(-1), device=logits.device) >= vocab_size, float('-inf'))
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -137,7 +136,6 @@ class GPT(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        assert config.vocab_size is not None and config.block_size is not None
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -208,18 +206,15 @@ class GPT(nn.Module):
         """Model FLOPs utilisation of fwdbwd_per_iter block_size-long sequences (forward and
         backward) in dt seconds. peak_flops=None looks up the CUDA device in PEAK_FLOPS; None
         when the peak is unknown (e.g. on CPU)."""
+        if peak_flops is None and torch.cuda.is_available():
+            peak_flops = peak_flops_for(torch.cuda.get_device_name())
         if peak_flops is None:
-            peak_flops = peak_flops_for(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
-            if peak_flops is None:
-                return None
+            return None
         # PaLM appendix B: 6 flops per parameter per token (2 forward, 4 backward) for the matmuls,
-        # plus 12*L*H*Q*T for attention scores and their weighted sums over T positions.
-        N = self.get_num_params()
+        # plus 12*L*H*Q*T (H*Q = n_embd) for attention scores and their weighted sums over T positions.
         cfg = self.config
-        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
-        flops_per_token = 6 * N + 12 * L * H * Q * T
-        flops_per_iter = flops_per_token * T * fwdbwd_per_iter
-        return flops_per_iter / dt / peak_flops
+        flops_per_token = 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+        return flops_per_token * cfg.block_size * fwdbwd_per_iter / dt / peak_flops
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
@@ -241,22 +236,15 @@ class GPT(nn.Module):
         assert idx.size(1) >= 1, "generate needs a prompt of at least one token"
         block_size = self.config.block_size
         caches = [KVCache(block_size) for _ in self.transformer.h]
-
-        context = idx[:, -block_size:]
-        logits = self(context, caches=caches)[0]  # (B, 1, V)
-        pos = context.size(1)  # positions filled in the caches
-        for step in range(max_new_tokens):
+        context, pos = idx[:, -block_size:], 0  # the prompt, then one new token at a time
+        for _ in range(max_new_tokens):  # (the last token sampled is never run)
+            logits = self(context, caches=caches, pos=pos)[0]  # (B, 1, V)
+            pos += context.size(1)  # positions filled in the caches
             idx_next = _sample(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
             idx = torch.cat((idx, idx_next), dim=1)
-            if step == max_new_tokens - 1:
-                break  # no need to run the last token
-            if pos < block_size:
-                logits = self(idx_next, caches=caches, pos=pos)[0]
-                pos += 1
-            else:  # cache full: restart it from the most recent half block (see docstring)
-                context = idx[:, -max(1, block_size // 2):]
-                logits = self(context, caches=caches)[0]
-                pos = context.size(1)
+            context = idx_next
+            if pos == block_size:  # cache full: restart it from the most recent half block (see docstring)
+                context, pos = idx[:, -max(1, block_size // 2):], 0
         return idx
 
 
