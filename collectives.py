@@ -106,10 +106,9 @@ class Agreement:
         return step >= self.next or (self.world.size == 1 and signum > 0)
 
     def __call__(self, loss: torch.Tensor, signum: int, problems: list, step: int) -> tuple:
-        """In one all-reduce: the loss averaged over ranks, whether any rank was sent SIGTERM or
-        SIGINT, and for each of `problems` (this rank's message or None) the lowest failing rank's
-        message or None. Every rank gets the same answer at the same step, so all stop together.
-        Returns (mean loss, the signal's number or 0, [message or None per problem])."""
+        """In one all-reduce, the same answer on every rank at the same step (so all stop together):
+        (the loss averaged over ranks, the signal any rank was sent or 0, for each of `problems` (this
+        rank's message or None) the lowest failing rank's message or None)."""
         signals = (signal.SIGTERM, signal.SIGINT)  # SIGTERM first when both came
         seconds_per_step = (time.perf_counter() - self.since[1]) / max(1, step - self.since[0])
         flags = [seconds_per_step] + [float(signum == s) for s in signals] + [float(p is not None) for p in problems]
@@ -134,8 +133,8 @@ COMM_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "socket", "p
 
 def lost_peer(e: BaseException) -> bool:
     """Whether `e` is a timed-out or broken collective (a peer gone, a network down)."""
-    return not isinstance(e, RunError) and (isinstance(e, dist.DistError) or any(w in str(e).lower()
-                                                                                  for w in COMM_WORDS))
+    return not isinstance(e, RunError) and (
+        isinstance(e, dist.DistError) or any(word in str(e).lower() for word in COMM_WORDS))
 
 
 @contextmanager

@@ -1,10 +1,9 @@
 """Where this process stands: its rank, device and dtype (docs/multihost.md); the process group
 it joins is collectives.py's.
 
-setup(), the start-up train.py, train_spawn.py and bench.py share, finds every problem a rank can
-see alone that config.resolve did not (a dtype the device cannot run, a global batch the world cannot
-split) before the group forms, so each rank fails at once instead of waiting out dist_timeout; the
-rest is agreed (collectives.py).
+setup() (train.py's, train_spawn.py's and bench.py's start-up) finds what a rank can see alone and
+config.resolve could not (a dtype the device cannot run, a global batch the world cannot split) before
+the group forms, so each rank fails at once instead of waiting out dist_timeout; the rest is agreed.
 """
 
 import ctypes
@@ -14,7 +13,7 @@ import signal
 import threading
 import warnings
 from contextlib import nullcontext, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -197,8 +196,7 @@ def use_device(world: World):
     elif world.device.type == "cuda":
         torch.cuda.set_device(world.device)
         # float32 matmuls left in a mixed-precision run may use TF32; a float32 run keeps float32
-        torch.backends.cuda.matmul.allow_tf32 = world.dtype != torch.float32
-        torch.backends.cudnn.allow_tf32 = world.dtype != torch.float32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = world.dtype != torch.float32
 
 
 def available_memory(device: torch.device, local_size: int = 1) -> int:
@@ -282,21 +280,19 @@ def setup(cfg: Config, claim: bool = True, world: World = None) -> World:
 
 
 def autocast(world: World):
-    """torch.autocast in world.dtype for bfloat16/float16; a null context for float32."""
     return nullcontext() if world.dtype == torch.float32 else torch.autocast(world.device.type, dtype=world.dtype)
 
 
 # -----------------------------------------------------------------------------
 # stop signals
 
+@dataclass
 class StopSignal:
     """SIGTERM (a scheduler's preemption, torchrun passing it on) or SIGINT (Ctrl-C) asks the run
     to stop with a checkpoint at the next agreement (collectives.Agreement: all ranks agree on it,
     so they stop together). Another Ctrl-C changes nothing: to end at once, kill -9."""
-
-    def __init__(self):
-        self.received = 0  # the signal's number
-        self.previous = {}
+    received: int = 0  # the signal's number
+    previous: dict = field(default_factory=dict)  # the handlers to restore
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # only there can it be set
