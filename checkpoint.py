@@ -71,8 +71,9 @@ def locked_out_dir(out_dir, world):
             real = Path(os.path.realpath(out_dir))  # (a checkpoint itself too: its files went at the next save)
             inside = next((p for p in (real, *real.parents) if p.suffix == ".dcp"), None)
             if inside or (out_dir / "train.bin").exists() or has_shards(out_dir):  # its files would go, or be replaced
-                raise ConfigError(f"{out_dir} is " + (f"inside the checkpoint {inside}, which a save replaces" if inside
-                                  else "a dataset folder, whose meta.json the run writes") + ": choose another --out_dir")
+                what = f"inside the checkpoint {inside}, which a save replaces" if inside else \
+                    "a dataset folder, whose meta.json the run writes"
+                raise ConfigError(f"{out_dir} is {what}: choose another --out_dir")
             out_dir.mkdir(parents=True, exist_ok=True)
             for path in map(out_dir.joinpath, WRITTEN):  # (run.lock is written in place: not through a link)
                 if path.exists() and not path.is_file() or path.name == "run.lock" and path.is_symlink():
@@ -156,11 +157,9 @@ def read(path: Path, tensors: bool = True):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=not tensors)
         reason = f"its bytes are damaged (record {damaged} fails its CRC-32 check)"
     except Exception as e:  # nothing in a bad file may end in a traceback
-        if isinstance(e, (EOFError, zipfile.BadZipFile)) or "zip archive" in str(e) or \
-                getattr(e, "errno", None) == errno.EINVAL:
-            reason = "it is truncated or not a torch checkpoint at all"
-        else:
-            reason = load_failure(e)
+        truncated = isinstance(e, (EOFError, zipfile.BadZipFile)) or "zip archive" in str(e) or \
+            getattr(e, "errno", None) == errno.EINVAL
+        reason = "it is truncated or not a torch checkpoint at all" if truncated else load_failure(e)
     raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {reason}")
 
 
@@ -175,10 +174,9 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
     """Read and check a checkpoint against the run that wants to continue it and its dataset's
     `meta` (a .dcp folder's tensors are not read here: every rank loads its own shards)."""
     ckpt = read(path, tensors=path.suffix != ".dcp")
-    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        version = ckpt.get("format") if isinstance(ckpt, dict) else None
-        raise ConfigError(f"{path}: checkpoint format {version} is not {FORMAT}, "
-                          f"which this train.py reads")
+    version = ckpt.get("format") if isinstance(ckpt, dict) else None
+    if version != FORMAT:
+        raise ConfigError(f"{path}: checkpoint format {version} is not {FORMAT}, which this train.py reads")
     ckpt.pop("rng", None)  # older files' RNG states: dropout's masks now derive from the step (train.py)
     missing = [k for k in REQUIRED if k not in ckpt]
     if missing or not isinstance(ckpt["model_args"], dict) or not isinstance(ckpt["config"], dict):
@@ -229,8 +227,9 @@ def malformed(ckpt: dict, model_args: dict, cfg: Config):
     if not isinstance(ckpt.get("log", ""), str):
         return f"log {ckpt['log']!r:.60} is not metrics.jsonl's text"
     scaler, keys = ckpt["scaler"], {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
-    if not number(ckpt["best_val_loss"]) or not (scaler == {} or isinstance(scaler, dict) and set(scaler) == keys and
-                                                 all(number(v) and v >= 0 for v in scaler.values()) and scaler["scale"]):
+    scaler_ok = scaler == {} or isinstance(scaler, dict) and set(scaler) == keys and \
+        all(number(v) and v >= 0 for v in scaler.values()) and scaler["scale"]
+    if not number(ckpt["best_val_loss"]) or not scaler_ok:
         return f"best_val_loss {ckpt['best_val_loss']!r} or the scaler's state {scaler!r} is not one"
     if not (isinstance(loader, dict) and all(type(loader.get(k)) is int for k in ("epoch", "position"))
             and loader["epoch"] >= -1 and loader["position"] >= 0 and loader["position"] % cfg.global_batch_size == 0):
@@ -321,8 +320,8 @@ def newest_step(paths: list) -> int:
 def newer_than_rank0(cfg: Config, world, rank0_step: int):
     """Why this host's own out_dir holds a newer checkpoint than rank 0's, or None. (A c10d rendezvous
     may make another host's process rank 0 on a relaunch: the run started again from step 0.)"""
-    own = [] if world.is_master or world.local_rank else newest([Path(cfg.out_dir) / "last.pt", Path(cfg.out_dir) /
-                                                                 "last.dcp"])
+    out = Path(cfg.out_dir)
+    own = [] if world.is_master or world.local_rank else newest([out / "last.pt", out / "last.dcp"])
     mine = newest_step(own)
     return None if mine <= rank0_step else (
         f"{own[0]} on {socket.gethostname()} (rank {world.rank}) is of step {mine}, but rank 0's out_dir holds "
