@@ -5,7 +5,6 @@ field's type; an unknown name suggests the nearest known one (docs/config.md).""
 import ast
 import dataclasses
 import difflib
-import math
 import os
 import traceback
 import types
@@ -46,10 +45,8 @@ class Config:
     dropout: float = 0.0
     bias: bool = True
     pad_vocab_to: int = 1                   # round the vocabulary rows up to a multiple (64 on GPUs)
-    # batch: batch_size is one process's micro-batch; global_batch_size is the
-    # number of sequences in one optimizer step over all processes
-    batch_size: int = 16
-    global_batch_size: int = 32
+    batch_size: int = 16                    # one process's micro-batch
+    global_batch_size: int = 32             # sequences in one optimizer step, over all processes
     # optimizer and schedule
     learning_rate: float = 1e-3
     max_iters: int = 1500                   # optimizer steps
@@ -121,12 +118,12 @@ CHOICES = {
 }
 
 
-def _show(value, limit: int = 80) -> str:
+def _show(value) -> str:  # at most 80 characters
     try:
         text = repr(value)
     except ValueError:  # an integer of over 4,300 digits, or a list or dict holding one
         text = f"an integer of {value.bit_length()} bits" if isinstance(value, int) else f"a {type(value).__name__}"
-    return text if len(text) <= limit else text[:limit - 5] + "[...]"
+    return text if len(text) <= 80 else text[:75] + "[...]"
 
 
 def _allowed(name: str) -> tuple:
@@ -143,8 +140,6 @@ def check_type(name: str, value):
     """Return `value` as the type of field `name`, or raise ConfigError."""
     options = _allowed(name)
     for allowed in options:
-        if allowed is type(None) and value is None:
-            return None
         if isinstance(value, bool) != (allowed is bool):  # bool is an int subclass: only bool fields take it
             continue
         if allowed is float and isinstance(value, (int, float)):
@@ -153,7 +148,7 @@ def check_type(name: str, value):
             return float(value)
         if allowed is int and isinstance(value, int) and not -2**63 <= value < 2**63:
             raise ConfigError(f"config '{name}' must be an integer from -2**63 to 2**63 - 1, got {_show(value)}")
-        if allowed in (bool, int, str) and isinstance(value, allowed):
+        if isinstance(value, allowed):  # (an Optional field's NoneType takes None)
             return value
     one_of = " or ".join("None" if t is type(None) else t.__name__ for t in options)
     raise ConfigError(f"config '{name}' must be {one_of}, got {_show(value)} ({type(value).__name__})")
@@ -170,7 +165,7 @@ def parse_value(name: str, text: str):
         value = text  # bare words are strings: --dataset=shakespeare_char
         if float in allowed and text.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
             value = float(text)  # refused below as not finite, not as a string
-    if str in allowed and not isinstance(value, str) and not (value is None and type(None) in allowed):
+    if str in allowed and not isinstance(value, str):
         value = text  # a string field takes the raw text: --out_dir=2024
     return check_type(name, value)
 
@@ -229,8 +224,7 @@ def validate(cfg: Config) -> Config:
     need(cfg.n_embd % cfg.n_head == 0,
          f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
     need(0 <= cfg.dropout < 1, f"dropout must be in [0, 1), got {cfg.dropout}")
-    need(cfg.learning_rate > 0 and math.isfinite(cfg.learning_rate),
-         f"learning_rate must be a positive number, got {cfg.learning_rate}")
+    need(cfg.learning_rate > 0, f"learning_rate must be a positive number, got {cfg.learning_rate}")
     need(cfg.min_lr is None or 0 <= cfg.min_lr <= cfg.learning_rate,
          f"min_lr must be in [0, learning_rate={cfg.learning_rate}], got {cfg.min_lr}")
     need(cfg.lr_decay_iters is None or cfg.lr_decay_iters >= max(1, cfg.warmup_iters),  # (None: max_iters)

@@ -133,8 +133,8 @@ class ShardedTokenLoader:
 
 def token_splits(cfg: Config, meta: dict, splits=("train", "val")) -> dict:
     """The dataset's train and val splits (or those in `splits`), each over its shards."""
-    return {split: Tokens(shards, meta["vocab_size"]) for split, shards in split_shards(dataset_dir(cfg), meta,
-                                                                                         splits).items()}
+    shards = split_shards(dataset_dir(cfg), meta, splits)
+    return {split: Tokens(shards[split], meta["vocab_size"]) for split in splits}
 
 
 def eval_starts(tokens: Tokens, block_size: int, n_windows: int) -> np.ndarray:
