@@ -55,7 +55,8 @@ def read_prompt(start: str) -> str:
         if why := why_unreadable(path):
             raise ConfigError(f"prompt file {path} {why}")
         try:
-            start = path.read_text(encoding="utf-8-sig")  # (a byte-order mark is no character of the prompt)
+            # bytes: read_text would turn \r\n and \r into \n; a byte-order mark is no character of the prompt
+            start = path.read_bytes().decode("utf-8-sig")
         except UnicodeDecodeError as e:
             raise ConfigError(f"prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         except OSError as e:  # (a terminal none is attached to, /proc/self/mem)

@@ -70,6 +70,9 @@ def test_prompt_from_a_file_and_greedy_decoding(trained, tmp_path, sample):
     assert sample(*args, "--seed=1").stdout == a.stdout  # the limit of sampling is greedy
     prompt.write_bytes(b"\xef\xbb\xbfa fool ")  # a byte-order mark (Windows' editors) is no character of it
     assert sample(*args, "--seed=1").stdout == a.stdout
+    prompt.write_bytes(b"a fool\r\n")  # its own characters, as --start gives them (\r was read as \n)
+    refused = sample(*args)
+    assert refused.returncode == 2 and "characters not in the vocabulary: '\\r'" in refused.stderr
 
 
 def test_top_k_larger_than_the_vocabulary_is_clamped_to_no_filtering(trained, sample):
