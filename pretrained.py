@@ -50,6 +50,8 @@ def gpt2_from_hf(hf_state, model, positions: int = None):
     got = {}
     for name, tensor in hf_state.items():
         name = name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
+        if name in got:  # (else one of the two would be dropped unseen)
+            raise ValueError(f"the GPT-2 weights hold {name} twice, with and without the 'transformer.' prefix")
         if not name.endswith((".attn.bias", ".attn.masked_bias")):  # the causal mask buffers
             got[name] = tensor.t() if name.endswith(HF_TRANSPOSED) else tensor
     lm_head = got.pop("lm_head.weight", None)  # tied to wte in GPT-2: a file may hold it again, but not another

@@ -139,6 +139,8 @@ def test_the_position_table_is_cropped_and_the_vocabulary_padded(hf_folder):
     (lambda s: s.update({"transformer.h.2.ln_1.weight": torch.ones(32)}), "unknown tensor transformer.h.2.ln_1.weight"),
     (lambda s: s.update({"transformer.h.0.attn.c_proj.weight": torch.zeros(32, 31)}),
      "transformer.h.0.attn.c_proj.weight has shape (31, 32)"),
+    (lambda s: s.update({"ln_f.weight": torch.ones(32)}),  # (one of the two was dropped unseen)
+     "hold transformer.ln_f.weight twice, with and without the 'transformer.' prefix"),
 ])
 def test_a_missing_extra_or_misshapen_tensor_is_named(tmp_path, change, needle):
     hf = hf_model()
