@@ -42,7 +42,8 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
     model of GPT-2's BPE, the tokenizer files. They are made in a temporary folder inside it, then
     moved in: a failure (a full disk, a damaged vocabulary file) leaves what was there as it was."""
     folder = Path(folder)
-    stale = ("pytorch_model.bin", "tokenizer.json", "generation_config.json") + TOKENIZER_FILES * (not gpt2_tokenizer)
+    stale = ("pytorch_model.bin", "tokenizer.json", "generation_config.json", "added_tokens.json") + \
+        TOKENIZER_FILES * (not gpt2_tokenizer)  # (added_tokens.json: ids past the vocabulary)
     for name in ("config.json", "model.safetensors", *TOKENIZER_FILES, *stale):  # (else some were replaced first)
         if (folder / name).is_dir() and not (folder / name).is_symlink():
             raise ConfigError(f"{folder / name} is a folder, where the export writes or removes a file: move it away")

@@ -431,7 +431,7 @@ def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data,
     train(tiny_args(char_data, out, max_iters=2, eval_interval=2))
     (tmp_path / "hf").mkdir()  # what a GPT-2 export or download left there is removed
     for name in ("vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json", "pytorch_model.bin",
-                 "generation_config.json"):  # (eos 50256 in it: generate() indexed past the vocabulary)
+                 "generation_config.json", "added_tokens.json"):  # (eos 50256 in it: generate() indexed past the vocabulary)
         (tmp_path / "hf" / name).write_text("{}")
     exported = script("scripts/export_hf.py", f"--out_dir={out}", "--checkpoint=last", f"--to={tmp_path / 'hf'}")
     assert exported.returncode == 0, exported.stderr
