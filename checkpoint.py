@@ -292,6 +292,17 @@ def readable(path: Path) -> bool:
         return False
 
 
+def lineage(out_dir: Path, last: Path, resumed_from, saved: tuple, resume: str) -> tuple:
+    """(rotate, fresh) for a run's next save into out_dir as `last` (Run.saved: None, or (.., .., whether
+    this run wrote it)). Resumed from another of out_dir's checkpoints, nothing saved since, a damaged last
+    (or older than the other format's) must not become previous; a readable one a rollback replaces does.
+    fresh: the first save of a run that did not continue one of out_dir's (started afresh, or elsewhere)."""
+    resumed, real = Path(resumed_from or last), os.path.realpath  # (Path.resolve raises on a link loop)
+    elsewhere = real(resumed.parent) != real(out_dir)
+    rotate = real(resumed) == real(last) or elsewhere or saved[2] or resume != "auto" and readable(last)
+    return rotate, saved is None or not saved[2] and elsewhere
+
+
 def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
     """The checkpoint this run continues from (rank 0's; the others get its plain values), once restore(ckpt)
     took it on every rank; or None. A damaged one falls back to the next newest (last -> previous): a .pt

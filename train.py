@@ -15,7 +15,6 @@ a sharded checkpoint). A mistake ends every rank at once, with one message (docs
 """
 
 import math
-import os
 import signal
 import sys
 from contextlib import closing
@@ -38,6 +37,7 @@ from errors import (CheckpointNotWritten, ConfigError, Diverged, LogNotWritten, 
 from evals import hellaswag
 from evals.loss import val_loss
 from loader import Dataset, ShardedTokenLoader, eval_starts, token_splits
+from data.files import remove
 from logger import Logger
 from model import GPT, GPTConfig
 from world import StopSignal, World, autocast, release_freed_memory, setup, strip_local_rank
@@ -166,12 +166,11 @@ class Run:
             raise Diverged(f"the weights hold NaN or inf at step {self.step}", self.cfg.learning_rate, self.saved)
         out_dir, failure = Path(self.cfg.out_dir), None
         last = out_dir / f"last{'.dcp' if self.cfg.checkpoint_format == 'sharded' else '.pt'}"
-        # resumed from another of out_dir's checkpoints than this last, nothing saved since: a damaged last
-        # (or older than the other format's) must not become previous; a readable one a rollback replaces does
-        resumed, real = Path(self.resumed_from or last), os.path.realpath  # (Path.resolve raises on a link loop)
-        rotate = real(resumed) == real(last) or real(resumed.parent) != real(out_dir) or self.saved[2] \
-            or self.cfg.resume != "auto" and checkpoint.readable(last)
+        rotate, fresh = checkpoint.lineage(out_dir, last, self.resumed_from, self.saved, self.cfg.resume)
         try:
+            if fresh and self.world.is_master:  # an earlier run's best would pass for this one's (sample.py)
+                for name in ("best.pt", "best.dcp"):
+                    remove(out_dir / name)
             if self.cfg.checkpoint_format == "sharded":  # every rank writes its own part
                 self.pending = sharded.save_run(self.raw_model, self.optimizer, self.state_dict(False, log.text()),
                                                 out_dir, best, self.world, self.cfg.async_checkpoint, rotate)

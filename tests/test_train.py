@@ -359,10 +359,18 @@ def test_wandb_is_told_whether_the_run_failed(char_data, tmp_path, monkeypatch):
     assert finished == [0, 1] and logged[-1] == 0 and 2 in logged  # the failed run's step-0 eval was logged
 
 
-def test_a_fresh_run_in_a_used_out_dir_starts_a_new_log(char_data, tmp_path):
+def test_a_fresh_run_in_a_used_out_dir_starts_a_new_log_and_drops_the_old_best(char_data, tmp_path):
     train_here(char_data, tmp_path, max_iters=4, eval_interval=2)
-    train_here(char_data, tmp_path, max_iters=4, eval_interval=2, resume="never")
+    assert (tmp_path / "best.pt").exists()
+    # a fresh run never better than its unsaved step 0: the old run's best.pt was what sample.py took
+    train_here(char_data, tmp_path, max_iters=4, eval_interval=2, resume="never", learning_rate=0.5)
     assert [r["step"] for r in metrics(tmp_path) if "val_loss" in r] == [0, 2, 4]
+    assert not (tmp_path / "best.pt").exists() and ckpt(tmp_path, "last.pt")["config"]["learning_rate"] == 0.5
+    kept = tmp_path / "kept"  # a resume (here no better than its best) keeps that best
+    train_here(char_data, kept, max_iters=4, eval_interval=2)
+    best = ckpt(kept, "best.pt")["step"]
+    train_here(char_data, kept, max_iters=8, eval_interval=2, learning_rate=0.5, resume="auto")
+    assert ckpt(kept, "best.pt")["step"] == best and ckpt(kept, "last.pt")["step"] == 8
 
 
 def test_a_run_killed_before_its_first_save_keeps_the_log_of_the_checkpoint_a_resume_takes(char_data, tmp_path,
