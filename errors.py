@@ -54,6 +54,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 SEE_OTHER_RANK = "on another rank: see its message"  # collectives.agree_or_raise's; train_spawn.py drops it
+LOST_PEER = "a collective timed out or failed"  # CollectiveFailed's; train_spawn.py drops it beside the cause
 
 
 @contextmanager
@@ -241,7 +242,7 @@ class GroupNotFormed(RunError):
 class CollectiveFailed(RunError):
     def __init__(self, rank: int, where: str, dist_timeout: float, e: Exception):
         super().__init__(
-            f"rank {rank} on {socket.gethostname()}, {where}: a collective timed out or failed "
+            f"rank {rank} on {socket.gethostname()}, {where}: {LOST_PEER} "
             f"({first_line(e, 300)}). A peer process died or the network between hosts is down "
             f"(dist_timeout={dist_timeout:g}s): relaunch every rank (training with resume=auto continues "
             f"from the newest checkpoint written, last.pt on rank 0's host or the shared last.dcp).")

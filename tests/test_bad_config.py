@@ -520,6 +520,40 @@ def test_a_signal_while_train_spawn_starts_its_ranks_is_passed_on(tmp_path, monk
     assert sent == [(4242, signal.SIGINT)] and Started.interrupted.is_set()
 
 
+@pytest.mark.parametrize("lines, exit_code, expected", [
+    # a Ctrl-C that reached one rank: its line alone, not its peer's lost collective beside it
+    ({0: "LOST", 1: "error: interrupted (Ctrl-C)"}, 130, ["error: interrupted (Ctrl-C)"]),
+    # a rank killed by SIGKILL: the launcher's line names it; the survivor's lost collective goes
+    ({0: "LOST"}, -9, ["error: rank 1 was killed by SIGKILL"]),
+    ({0: "LOST", 1: "LOST"}, 1, ["LOST"]),  # a broken network: nothing else to say
+])
+def test_train_spawn_prints_the_cause_not_the_peers_that_lost_it(tmp_path, monkeypatch, capsys, lines, exit_code,
+                                                                  expected):
+    import torch.multiprocessing as mp
+    import train_spawn
+    from errors import CollectiveFailed
+    lost = str(CollectiveFailed(0, "step 5", 600, RuntimeError("Connection closed by peer")))
+    for rank, line in lines.items():
+        (tmp_path / str(rank)).write_text(lost if line == "LOST" else line)
+
+    class Failed:
+        processes = []
+
+        def join(self):
+            raise mp.ProcessExitedException("", 1, 4242, exit_code, "SIGKILL" if exit_code == -9 else None)
+    monkeypatch.setattr(mp, "spawn", lambda worker, args, **kwargs: Failed())
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(SystemExit) as stop:
+            train_spawn.run(2, [], tmp_path)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    printed = capsys.readouterr().err.splitlines()
+    assert stop.value.code == max(exit_code, 1) and len(printed) == len(expected)
+    assert all(line.startswith(lost if start == "LOST" else start) for line, start in zip(printed, expected))
+
+
 def _train_rank_recording_config_errors(rank, world_size, args, damage_on_rank1=True, rank1_args=(), rank1_env=None):
     """ranks_say: train.main on each rank (rank1_args added on rank 1, and rank1_env to its environment)."""
     import loader
