@@ -255,7 +255,9 @@ def malformed(ckpt: dict, model_args: dict, cfg: Config):
     optimizer, shapes = ckpt["optimizer"], [shape for g in groups for _, shape in g]
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     positions = [list(range(len(groups[0]))), list(range(len(groups[0]), len(shapes)))]
-    adamw = lambda s, shape: isinstance(s, dict) and "step" in s and all(  # noqa: E731
+    count = lambda v: (number(v) or isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point()) \
+        and 0 <= float(v) < float("inf")  # noqa: E731 (AdamW's step: a bad one failed inside its update)
+    adamw = lambda s, shape: isinstance(s, dict) and count(s.get("step")) and all(  # noqa: E731
         isinstance(s.get(k), torch.Tensor) and s[k].shape == shape for k in ("exp_avg", "exp_avg_sq"))
     if not (isinstance(state, dict) and _params_of(optimizer.get("param_groups")) == positions
             and all(adamw(state.get(i), shape) for i, shape in enumerate(shapes))):

@@ -224,6 +224,9 @@ SCALER = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_inter
     # once a heap corruption (fused AdamW wrote past the end), and a resume with fresh moments
     (lambda ck: ck["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)), "optimizer is not AdamW's state"),
     (lambda ck: ck["optimizer"]["state"].clear(), "optimizer is not AdamW's state"),
+    # AdamW's step: once a traceback from inside the first update
+    (lambda ck: ck["optimizer"]["state"][0].update(step=torch.tensor([1.0, 2.0])), "optimizer is not AdamW's state"),
+    (lambda ck: ck["optimizer"]["state"][1].update(step=torch.tensor(float("nan"))), "optimizer is not AdamW's"),
     ({"model": {}}, "model weight transformer.wte.weight is missing, not this model's, or of another shape"),
     (lambda ck: ck["model"].update(extra=torch.zeros(1)), "model weight extra is missing, not this model's"),
     ({"val_loss": torch.tensor(1.0)}, "a value beside the tensors is not plain data"),  # broken JSON for rank 1
