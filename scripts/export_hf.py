@@ -34,7 +34,7 @@ from data.tokenizers import write_gpt2_tokenizer_files  # noqa: E402
 from errors import ArgumentParser, ConfigError, first_line, reported, write_failure  # noqa: E402
 from model import GPT  # noqa: E402
 
-TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
 
 
 def export(model: GPT, folder, gpt2_tokenizer: bool):
@@ -42,8 +42,8 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
     model of GPT-2's BPE, the tokenizer files. They are made in a temporary folder inside it, then
     moved in: a failure (a full disk, a damaged vocabulary file) leaves what was there as it was."""
     folder = Path(folder)
-    stale = ("pytorch_model.bin", "tokenizer.json", "generation_config.json", "added_tokens.json") + \
-        TOKENIZER_FILES * (not gpt2_tokenizer)  # (added_tokens.json: ids past the vocabulary)
+    stale = ("pytorch_model.bin", "tokenizer.json", "generation_config.json", "added_tokens.json",
+             "special_tokens_map.json") + TOKENIZER_FILES * (not gpt2_tokenizer)  # (the two: ids past the vocabulary)
     for name in ("config.json", "model.safetensors", *TOKENIZER_FILES, *stale):  # (else some were replaced first)
         if (folder / name).is_dir() and not (folder / name).is_symlink():
             raise ConfigError(f"{folder / name} is a folder, where the export writes or removes a file: move it away")
