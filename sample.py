@@ -122,8 +122,8 @@ def main(argv=None):
         idx = torch.tensor([prompt] * n, dtype=torch.long, device=device)  # (n, T)
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k or None, generator=generator)  # (n, T + new): one batch
-        for row in out.tolist():
-            print(decode(row))
+        for row in out:  # a row at a time: the whole batch as Python ints took 4x the memory the plan gives it
+            print(decode(row.tolist()))
             print("---------------", flush=True)
 
 
