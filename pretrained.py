@@ -14,6 +14,7 @@ other hosts need no copy (eval.py loads on every rank).
 
 import functools
 import os
+import warnings
 from contextlib import suppress
 from pathlib import Path
 
@@ -54,8 +55,9 @@ def gpt2_from_hf(hf_state, model, positions: int = None):
             raise ValueError(f"the GPT-2 weights hold {name} twice, with and without the 'transformer.' prefix")
         if not name.endswith((".attn.bias", ".attn.masked_bias")):  # the causal mask buffers
             got[name] = tensor.t() if name.endswith(HF_TRANSPOSED) else tensor
-    lm_head = got.pop("lm_head.weight", None)  # tied to wte in GPT-2: a file may hold it again, but not another
-    if lm_head is not None and not torch.equal(lm_head, got.get("transformer.wte.weight", lm_head)):
+    # tied to wte in GPT-2: a file may hold it again (or alone: safetensors' save_model keeps that name), not another
+    lm_head = got.pop("lm_head.weight", None)
+    if lm_head is not None and not torch.equal(lm_head, got.setdefault("transformer.wte.weight", lm_head)):
         raise ValueError("the GPT-2 weights hold an lm_head.weight other than wte.weight (an untied output "
                          "layer): this GPT ties the two, as GPT-2 does")
     names = expected.keys() - {"lm_head.weight"}
@@ -238,7 +240,9 @@ def load_state(init_from: str, model: GPT) -> dict:
             from safetensors.torch import load_file
             state = load_file(path)
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # (torch warns of an old pickle protocol before refusing it)
+                warnings.simplefilter("ignore")
+                state = torch.load(path, map_location="cpu", weights_only=True)
         return gpt2_from_hf(state, model, read_shape(folder)["block_size"])
     except ValueError as e:
         raise ConfigError(f"{path}: {first_line(e, 400)}") from None

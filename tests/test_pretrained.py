@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,13 @@ def test_a_pickled_object_in_pytorch_model_bin_is_refused_not_run(tmp_path):
     # not torch's advice (with terminal escapes) to load it unsafely
     assert str(error.value).endswith("(it is damaged, or holds objects that would run code when loaded, which "
                                      "weights_only=True refuses)")
+    # torch's older format, pickle protocol 4: refused too, without torch's warning printed before the line
+    torch.save(hf_model().state_dict(), tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=False,
+               pickle_protocol=4)
+    with warnings.catch_warnings(record=True) as warned, pytest.raises(ConfigError, match="cannot read"):
+        warnings.simplefilter("always")
+        pretrained.load_gpt(str(tmp_path))
+    assert not warned, warned[0].message
 
 
 def test_the_position_table_is_cropped_and_the_vocabulary_padded(hf_folder):
@@ -158,6 +166,11 @@ def test_old_files_without_the_transformer_prefix_load(tmp_path):
     state = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"))
     x = ids()
+    assert (full_logits(pretrained.load_gpt(str(tmp_path)), x) - hf_logits(hf, x)).abs().max().item() < 1e-5
+    # the tied table under lm_head.weight alone (safetensors' save_model keeps it): once "lack transformer.wte"
+    safetensors_torch.save_model(hf, str(tmp_path / "model.safetensors"))
+    assert "transformer.wte.weight" not in safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+    pretrained.locate.cache_clear()
     assert (full_logits(pretrained.load_gpt(str(tmp_path)), x) - hf_logits(hf, x)).abs().max().item() < 1e-5
 
 
@@ -375,8 +388,12 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data, trai
                     pad_vocab_to=64, block_size=32, dropout=0.1))
     synced = []  # what the folder held at each fsync of it
     monkeypatch.setattr(data.files, "fsync_dir", lambda d: synced.append((Path(d), sorted(os.listdir(d)))))
+    (tmp_path / "hf").mkdir()  # another model's tokens past GPT-2's vocabulary: the export removes them
+    for name in ("added_tokens.json", "special_tokens_map.json"):
+        (tmp_path / "hf" / name).write_text('{"<pad>": 50257}' if name[0] == "a" else '{"pad_token": "<pad>"}')
     proc = script("scripts/export_hf.py", f"--out_dir={out}", f"--to={tmp_path / 'hf'}")
     assert proc.returncode == 0, proc.stderr
+    assert not {"added_tokens.json", "special_tokens_map.json"} & set(os.listdir(tmp_path / "hf"))
     assert "model.safetensors" in proc.stdout and "vocab.json" in proc.stdout
     made_durable = [listed for folder, listed in synced if folder == tmp_path / "hf"]  # once all were made
     assert made_durable == [sorted(os.listdir(tmp_path / "hf"))]
@@ -431,7 +448,7 @@ def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data,
     train(tiny_args(char_data, out, max_iters=2, eval_interval=2))
     (tmp_path / "hf").mkdir()  # what a GPT-2 export or download left there is removed
     for name in ("vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json", "pytorch_model.bin",
-                 "generation_config.json", "added_tokens.json"):  # (eos 50256 in it: generate() indexed past the vocabulary)
+                 "generation_config.json", "added_tokens.json", "special_tokens_map.json"):  # (eos 50256 in it: generate() indexed past the vocabulary)
         (tmp_path / "hf" / name).write_text("{}")
     exported = script("scripts/export_hf.py", f"--out_dir={out}", "--checkpoint=last", f"--to={tmp_path / 'hf'}")
     assert exported.returncode == 0, exported.stderr
