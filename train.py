@@ -32,12 +32,12 @@ import sharded
 from collectives import (Agreement, agree_or_raise, any_rank, collective_failures_explained, differs_from_rank0,
                          first_error, on_rank0, process_group)
 from config import PER_HOST, Config, resolve
+from data.files import remove
 from errors import (CheckpointNotWritten, ConfigError, Diverged, LogNotWritten, UnreadableCheckpoint, first_line,
                     reported)
 from evals import hellaswag
 from evals.loss import val_loss
 from loader import Dataset, ShardedTokenLoader, eval_starts, token_splits
-from data.files import remove
 from logger import Logger
 from model import GPT, GPTConfig
 from world import StopSignal, World, autocast, release_freed_memory, setup, strip_local_rank
