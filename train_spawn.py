@@ -103,11 +103,9 @@ def run(nproc: int, args: list, errors: Path):
             sys.exit(128 + signal.SIGPIPE)  # the rank that found it may still be exiting, or ended by mp: not 141)
         said = [(errors / str(rank)).read_text("utf-8") for rank in range(nproc) if (errors / str(rank)).exists()]
         own = [line for line in said if not line.endswith(SEE_OTHER_RANK)]  # (that message is here too)
-        # a rank that lost its peer only followed another's end: its line goes beside the cause (a rank's
-        # own line, or a signal that ended one, which the lines below name)
-        causes = [line for line in own if LOST_PEER not in line]
-        exited = isinstance(e, mp.ProcessExitedException)
-        for line in dict.fromkeys(causes if causes or exited and e.exit_code < 0 else own or said):  # in rank order
+        causes = [line for line in own if LOST_PEER not in line]  # a rank that lost its peer followed another's
+        killed = getattr(e, "exit_code", 0) < 0  # end: not beside the cause (a line, or a signal named below)
+        for line in dict.fromkeys(causes if causes or killed else own or said):  # each distinct one once, in rank order
             print(line, file=sys.stderr, flush=True)
         if not isinstance(e, mp.ProcessExitedException):  # a rank raised what no error names: its traceback
             raise
