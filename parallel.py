@@ -97,10 +97,13 @@ def clip_grad_norm(raw_model, max_norm: float) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def all_finite(raw_model, world: World) -> bool:
-    """Whether every weight is finite, agreed by all ranks (each checks its own shard)."""
+def all_finite(raw_model, world: World, optimizer=None) -> bool:
+    """Whether every weight and optimizer tensor is finite, agreed by all ranks (each checks its own shard)."""
     local = lambda p: p.to_local() if hasattr(p, "to_local") else p
-    return not any_rank(not all(torch.isfinite(local(p)).all() for p in raw_model.parameters()), world)
+    tensors = list(raw_model.parameters())
+    for state in optimizer.state.values() if optimizer else ():  # AdamW's step and moments
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return not any_rank(not all(torch.isfinite(local(t)).all() for t in tensors), world)
 
 
 def full_state(raw_model, optimizer) -> tuple:

@@ -147,8 +147,8 @@ class Run:
             parallel.load_full_state(self.raw_model, self.optimizer, self.world, ckpt)
         for group, mine in zip(self.optimizer.param_groups, chosen):  # AdamW as this run set it, not as saved
             group.update(mine)
-        if not parallel.all_finite(self.raw_model, self.world):  # (save() refuses them: not written by a run)
-            raise UnreadableCheckpoint(f"cannot read checkpoint {ckpt['path']}: its weights hold NaN or inf")
+        if not parallel.all_finite(self.raw_model, self.world, self.optimizer):  # (save() refuses them)
+            raise UnreadableCheckpoint(f"cannot read checkpoint {ckpt['path']}: its weights or moments hold NaN or inf")
         self.step, self.best_val_loss, self.val_loss = ckpt["step"], ckpt["best_val_loss"], ckpt.get("val_loss")
         self.resumed_from, self.saved = ckpt["path"], (str(ckpt["path"]), ckpt["step"], False)
         if ckpt["scaler"] or not self.scaler.is_enabled():  # a disabled scaler ignores a saved one
@@ -162,8 +162,8 @@ class Run:
     def save(self, best: bool, log: Logger):
         self.wait_for_save()  # at most one background save in flight (and the messages below name it)
         log.check(self.world, self.saved)  # no checkpoint past a log line that was lost (a resume would skip it)
-        if not parallel.all_finite(self.raw_model, self.world):  # the same answer on every rank
-            raise Diverged(f"the weights hold NaN or inf at step {self.step}", self.cfg.learning_rate, self.saved)
+        if not parallel.all_finite(self.raw_model, self.world, self.optimizer):  # the same answer on every rank
+            raise Diverged(f"weights or moments are NaN or inf at step {self.step}", self.cfg.learning_rate, self.saved)
         out_dir, failure = Path(self.cfg.out_dir), None
         last = out_dir / f"last{'.dcp' if self.cfg.checkpoint_format == 'sharded' else '.pt'}"
         rotate, fresh = checkpoint.lineage(out_dir, last, self.resumed_from, self.saved, self.cfg.resume)

@@ -24,11 +24,11 @@ from model import GPT
                                                       # the step's eval sees it before its checkpoint is written
                                                       (8, False, "validation loss is nan at step 8", "last.pt"),
                                                       # a stop's checkpoint, off the eval steps: the save checks
-                                                      (6, True, "weights hold NaN or inf at step 6", "last.pt"),
+                                                      (6, True, "weights or moments are NaN or inf at step 6", "last.pt"),
                                                       # step 4's background save had completed (it said "no
                                                       # checkpoint of this run was written yet")
                                                       (6, False, "training loss is nan at step 7", "last.dcp"),
-                                                      (6, True, "weights hold NaN or inf at step 6", "last.dcp"),
+                                                      (6, True, "weights or moments are NaN or inf at step 6", "last.dcp"),
                                                       (8, False, "validation loss is nan at step 8", "last.dcp")])
 def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint(char_data, tmp_path, monkeypatch,
                                                                                  poisoned_at, stop, says, last):
@@ -99,7 +99,8 @@ def test_a_torch_compile_that_fails_is_one_line(char_data, tmp_path, capsys, mon
 
 @pytest.mark.parametrize("damage, reason", [("truncated", "it is truncated"), ("random bytes", ""),
                                            ("a flipped bit", "its bytes are damaged (record archive/data/"),
-                                           ("a NaN weight", "its weights hold NaN or inf")])  # (resumed, diverged)
+                                           ("a NaN weight", "its weights or moments hold NaN or inf"),
+                                           ("an inf moment", "its weights or moments hold")])  # (resumed, diverged)
 def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained_copy, tmp_path, char_data,
                                                                          capsys, damage, reason):
     out = trained_copy
@@ -110,9 +111,12 @@ def test_a_damaged_last_checkpoint_is_reported_and_the_previous_one_used(trained
         data[data.find(weight) + len(weight) // 2] ^= 1
     last.write_bytes(data[: len(data) // 2] if damage == "truncated" else
                      data if damage == "a flipped bit" else os.urandom(len(data)))
-    if damage == "a NaN weight":  # other code's: a run never saves one
+    if damage in ("a NaN weight", "an inf moment"):  # other code's: a run never saves one
         ckpt = torch.load(out / "previous.pt", weights_only=True)
-        ckpt["model"]["transformer.ln_f.weight"][0] = float("nan")
+        if damage == "a NaN weight":
+            ckpt["model"]["transformer.ln_f.weight"][0] = float("nan")
+        else:
+            ckpt["optimizer"]["state"][3]["exp_avg_sq"].view(-1)[0] = float("inf")
         torch.save({**ckpt, "step": 10}, last)
     result = train_here(char_data, out, max_iters=10, eval_interval=5, resume="auto", weight_decay=0.05)
     printed = capsys.readouterr()

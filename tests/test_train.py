@@ -267,11 +267,16 @@ def test_a_resume_from_an_older_checkpoint_keeps_the_readable_rows_of_the_log_be
     assert capsys.readouterr().out == warning.replace("6 unreadable lines", "1 unreadable line")
 
 
-def test_all_finite_finds_a_nan_in_the_weights():
+def test_all_finite_finds_a_nan_in_the_weights_or_an_inf_in_the_moments():
     import parallel
     from world import World
     model = torch.nn.Linear(2, 2)
-    assert parallel.all_finite(model, World())
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    assert parallel.all_finite(model, World(), optimizer)
+    optimizer.state[model.bias]["exp_avg_sq"][0] = float("inf")  # the weights stay finite (a huge gradient)
+    assert parallel.all_finite(model, World()) and not parallel.all_finite(model, World(), optimizer)
     with torch.no_grad():
         model.weight[0, 1] = float("nan")
     assert not parallel.all_finite(model, World())
