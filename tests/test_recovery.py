@@ -15,7 +15,7 @@ import time
 import pytest
 
 from harness import (REPO, assert_same_weights, child_env, children, ckpt, free_port, logged_step, python, run,
-                     run_world, start, tiny_args, torchrun, wait_for)
+                     run_world, start, tiny_args, torchrun, train_py, wait_for, wait_for_line)
 
 pytestmark = pytest.mark.slow
 STEPS = 60
@@ -96,6 +96,20 @@ def test_ctrl_c_while_train_spawns_ranks_start_is_one_line(char_data, tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in out, out
     assert out.endswith("error: interrupted (Ctrl-C)\n") or "stopped by SIGINT at step" in out, out  # (if begun)
+
+
+def test_a_sigterm_before_the_first_step_is_one_line_and_leaves_no_out_dir(char_data, tmp_path):
+    """A SIGTERM after the start, before the first step (while the model is built, say), killed the run
+    where it stood: the new out_dir was left holding only run.lock. It now ends as Ctrl-C does (train.cli;
+    under train_spawn.py each rank the same). Once training began, it stops and saves instead."""
+    out_dir = tmp_path / "out"
+    proc = start(train_py(tiny_args(char_data, out_dir)))
+    out = "".join(wait_for_line(proc, "host "))  # (one process: no group to form)
+    proc.send_signal(signal.SIGTERM)
+    out += proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in out, out
+    began = "stopped by SIGTERM at step" in out
+    assert began or out.endswith("error: interrupted (SIGTERM)\n") and not out_dir.exists(), out
 
 
 def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(char_data, tmp_path, uninterrupted):
