@@ -274,15 +274,16 @@ def train(cfg: Config, world: World, dataset: Dataset) -> dict:
             lr = get_lr(run.step, cfg)
             for group in run.optimizer.param_groups:
                 group["lr"] = lr
-            at_end = run.step >= cfg.max_iters
+            at_end, resumed_here = run.step >= cfg.max_iters, run.step == start_step and run.resumed_from
             every = cfg.hellaswag_interval  # HellaSwag before eval_and_save, so a checkpoint there records it
-            if every and (run.step % every == 0 or at_end) and run.step > run.hellaswag_step:
+            if every and (run.step % every == 0 or at_end) and run.step > run.hellaswag_step and not (
+                    at_end and resumed_here):  # (nothing left to train: nothing saved, so eval.py's to do)
                 # (the unwrapped model: an eval forward needs no DDP; under FSDP it is the sharded module)
                 score, _ = hellaswag.evaluate(run.raw_model, run.hellaswag, world, run.autocast, cfg.batch_size,
                                               parallel.is_fsdp(run.raw_model))
                 run.hellaswag_step = run.step
                 log.hellaswag(run.step, score)
-            if (run.step % cfg.eval_interval == 0 or at_end) and not (run.step == start_step and run.resumed_from):
+            if (run.step % cfg.eval_interval == 0 or at_end) and not resumed_here:
                 eval_and_save(run, log, at_end or stopped > 0, start_step)  # a stop's step is always saved
             if at_end or stopped:
                 break

@@ -18,6 +18,7 @@ batch whatever the world size, so W processes give the numbers one process gives
 
 import hashlib
 import json
+import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from tqdm import tqdm
 
 from collectives import agree_or_raise, differs_from_rank0
 from data.files import atomic_write_bytes, cache_dir, parse_json, why_unreadable
-from errors import ConfigError, HellaSwagMissing, first_line
+from errors import ConfigError, HellaSwagMissing, RunError, first_line
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 # rowanz/hellaswag publishes no sha256 of the file. What its repository does record is the
@@ -194,7 +195,7 @@ def same_on_every_rank(examples: list, world, setting: str):
 @torch.no_grad()
 def score(model, examples: list, device, autocast) -> tuple:
     """For examples scored in one forward: each one's ending of lowest summed loss, and of
-    lowest mean loss per token (two lists of indices into its endings)."""
+    lowest mean loss per token (two lists of indices into its endings; -1 where a loss is NaN or inf)."""
     rows = [row for ex in examples for row in ex.rows]
     starts = [ex.start for ex in examples for _ in ex.rows]
     width = max(map(len, rows))
@@ -213,7 +214,8 @@ def score(model, examples: list, device, autocast) -> tuple:
     losses[ending] = F.cross_entropy(logits[ending].float(), y[ending], reduction="none")
     total = losses.sum(1).view(-1, ENDINGS)                     # (E, 4)
     mean = total / ending.sum(1).view(-1, ENDINGS)
-    return total.argmin(1).tolist(), mean.argmin(1).tolist()
+    finite = total.isfinite().all(1)  # (NaN's argmin is ending 0: a diverged model scored 1 in 4): -1, refused
+    return total.argmin(1).where(finite, -1).tolist(), mean.argmin(1).where(finite, -1).tolist()
 
 
 @dataclass
@@ -248,6 +250,7 @@ def evaluate(model, examples: list, world, autocast, batch_size: int, same_forwa
     was_training = model.training
     model.eval()
     picks = {}
+    progress = progress and sys.stderr is not None and sys.stderr.isatty()  # (a bar into a full disk ended it)
     for b in tqdm(range(forwards), desc="hellaswag", unit="batch", disable=not progress):
         batch = mine[b] if b < len(mine) else batches[0]
         by_sum, by_mean = score(model, [examples[i] for i in batch], world.device, autocast)
@@ -256,7 +259,12 @@ def evaluate(model, examples: list, world, autocast, batch_size: int, same_forwa
     model.train(was_training)
     counts = torch.tensor([sum(examples[i].label == s for i, (s, _) in picks.items()),
                            sum(examples[i].label == m for i, (_, m) in picks.items()),
-                           len(picks), sum(examples[i].truncated for i in picks)], dtype=torch.int64)
+                           len(picks), sum(examples[i].truncated for i in picks),
+                           sum(s < 0 for s, _ in picks.values())], dtype=torch.int64)
     if world.size > 1:  # integer counts on the CPU: world.group is gloo also under NCCL
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=world.group)
-    return Score(*counts.tolist()), picks
+    *counts, not_finite = counts.tolist()  # (the same on every rank: all stop)
+    if not_finite:
+        raise RunError(f"HellaSwag's losses are NaN or inf in {not_finite} of {counts[2]} examples: the weights "
+                       f"diverged (in training: a learning rate too high?) or overflow float16 (try bfloat16)")
+    return Score(*counts), picks

@@ -2,6 +2,8 @@
 schedule in training across a resume, and one clear line for every bad input. Offline: the file
 is written here in the official format, the "GPT-2" is a random transformers model."""
 
+import errno
+import io
 import json
 import os
 import random
@@ -25,7 +27,7 @@ import pretrained  # noqa: E402
 import train  # noqa: E402
 from config import resolve  # noqa: E402
 from data.tokenizers import GPT2_TIKTOKEN_SHA256, REPO_COPY, gpt2_encoding  # noqa: E402
-from errors import ConfigError, reported  # noqa: E402
+from errors import ConfigError, RunError, reported  # noqa: E402
 from evals import hellaswag  # noqa: E402
 from world import World  # noqa: E402
 
@@ -122,6 +124,21 @@ def test_acc_and_each_chosen_ending_match_a_transformers_reference(hf_folder, hs
         assert run_eval(["--init_from", hf_folder, "--hellaswag", f"/dev/fd/{read}"], capsys)[-1] == score.line()
     finally:
         os.close(read)
+
+
+def test_a_full_stderr_does_not_end_the_evaluation_and_a_nan_model_is_refused(hf_folder, hs_file, capsys,
+                                                                                 monkeypatch):
+    class Full(io.StringIO):  # 2>/dev/full, or a log on a disk that filled: the progress bar's write failed
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(sys, "stderr", Full())
+    assert LINE.fullmatch(run_eval(["--init_from", hf_folder, "--hellaswag", hs_file], capsys)[-1])
+    model = pretrained.load_gpt(str(hf_folder))  # NaN's argmin is ending 0: a diverged model scored 1 in 4
+    with torch.no_grad():
+        model.lm_head.weight[5] = float("nan")  # (tied: the embedding's row of one token too)
+    with pytest.raises(RunError, match=r"HellaSwag's losses are NaN or inf in \d+ of 24 examples: the weights "):
+        hellaswag.evaluate(model, hellaswag.load(str(hs_file), block_size=64), World(),
+                           torch.autocast("cpu", enabled=False), batch_size=20)
 
 
 def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path, capsys):
@@ -311,6 +328,12 @@ def test_training_evaluates_on_schedule_and_a_resume_neither_repeats_nor_skips(
     assert torch.load(legs / "best.pt", weights_only=True)["step"] == \
         torch.load(straight / "best.pt", weights_only=True)["step"]
     # a last step off the interval is scored too
+    train.main(resolve(bpe_args(bpe_data, small_file, legs, resume="auto", max_iters=9)))
+    assert [r["step"] for r in hellaswag_rows(legs)] == [0, 2, 4, 6, 8, 9]
+    # a resume with nothing left to train scores nothing, even where its checkpoint was not scored (as if
+    # HellaSwag were newly asked for): it saves nothing, so a row went at the next resume, and each relaunch scored
+    saved = torch.load(legs / "last.pt", weights_only=True)
+    torch.save({**saved, "hellaswag_step": 8}, legs / "last.pt")
     train.main(resolve(bpe_args(bpe_data, small_file, legs, resume="auto", max_iters=9)))
     assert [r["step"] for r in hellaswag_rows(legs)] == [0, 2, 4, 6, 8, 9]
 
