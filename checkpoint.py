@@ -170,13 +170,17 @@ def shape_diff(saved: dict, model_args: dict) -> dict:
     return {k: (saved.get(k), v) for k, v in now.items() if k != "dropout" and saved.get(k) != v}
 
 
-def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
-    """Read and check a checkpoint against the run that wants to continue it and its dataset's
-    `meta` (a .dcp folder's tensors are not read here: every rank loads its own shards)."""
-    ckpt = read(path, tensors=path.suffix != ".dcp")
+def check_format(ckpt, path: Path) -> dict:
     version = ckpt.get("format") if isinstance(ckpt, dict) else None
     if version != FORMAT:
         raise ConfigError(f"{path}: checkpoint format {version} is not {FORMAT}, which this train.py reads")
+    return ckpt
+
+
+def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
+    """Read and check a checkpoint against the run that wants to continue it and its dataset's
+    `meta` (a .dcp folder's tensors are not read here: every rank loads its own shards)."""
+    ckpt = check_format(read(path, tensors=path.suffix != ".dcp"), path)
     ckpt.pop("rng", None)  # older files' RNG states: dropout's masks now derive from the step (train.py)
     missing = [k for k in REQUIRED if k not in ckpt]
     if missing or not isinstance(ckpt["model_args"], dict) or not isinstance(ckpt["config"], dict):
@@ -203,6 +207,14 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
         raise ConfigError(f"{path}: {problem}: it was not written by this train.py as it is (edited by hand?)")
     ckpt["path"] = str(path)
     return ckpt
+
+
+def size_problem(config: GPTConfig, weights: dict):
+    """What is wrong if a checkpoint's weights are not as many as its model_args describe, or None: checked
+    before a model is built from them (an edited shape could ask for terabytes, or a billion layers)."""
+    held = sum(v.numel() for k, v in weights.items() if k != "lm_head.weight")  # (wte's, tied)
+    return None if config.n_params == held else \
+        f"its model_args describe {config.n_params:,} parameters, its weights hold {held:,}"
 
 
 def saved_vocabulary(meta_path: Path):

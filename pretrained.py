@@ -304,9 +304,8 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
         ckpt = checkpoint.read(path)
         try:
             config = GPTConfig(**ckpt["model_args"])  # (its dropout: eval mode applies none; an export records it)
-            held = sum(v.numel() for k, v in ckpt["model"].items() if k != "lm_head.weight")  # (wte's, tied)
-            if config.n_params != held:  # before building it: an edited shape could ask for terabytes
-                raise ValueError(f"its model_args describe {config.n_params:,} parameters, its weights hold {held:,}")
+            if problem := checkpoint.size_problem(config, ckpt["model"]):
+                raise ValueError(problem)
             if not all(torch.isfinite(w).all() for w in ckpt["model"].values()):  # (rewritten by other code)
                 raise ValueError("its weights hold NaN or inf")
             model = GPT(config)

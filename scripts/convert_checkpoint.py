@@ -19,6 +19,7 @@ import torch  # noqa: E402
 
 import checkpoint  # noqa: E402
 from config import FIELD_TYPES, Config  # noqa: E402
+from model import GPTConfig  # noqa: E402
 from errors import ArgumentParser, ConfigError, first_line, reported, write_failure  # noqa: E402
 
 
@@ -33,13 +34,14 @@ def main(argv=None):
         raise ConfigError(f"{args.source} is not a sharded checkpoint folder (NAME.dcp) train.py wrote")
     if args.dest.suffix != ".pt":
         raise ConfigError(f"{args.dest}: name the file NAME.pt, as train.py and resume= expect")
-    state = checkpoint.read(args.source)
+    state = checkpoint.check_format(checkpoint.read(args.source), args.source)
     if missing := [k for k in checkpoint.REQUIRED if k not in state]:
         raise ConfigError(f"{args.source} lacks {missing}: it was not written by this train.py")
     try:  # what a resume checks of it, and finite numbers (a folder other code rewrote)
         cfg = Config(**{k: v for k, v in state["config"].items() if k in FIELD_TYPES})
         tensors = [*state["model"].values(), *(t for s in state["optimizer"]["state"].values() for t in s.values())]
-        problem = checkpoint.malformed(state, state["model_args"], cfg) or (
+        problem = checkpoint.size_problem(GPTConfig(**state["model_args"]), state["model"]) or \
+            checkpoint.malformed(state, state["model_args"], cfg) or (
             None if all(torch.isfinite(t).all() for t in tensors) else "its weights or moments hold NaN or inf")
     except Exception as e:  # noqa: BLE001  model_args or a config no GPT of this repo has (a hand edit)
         problem = f"{type(e).__name__}: {first_line(e)}"

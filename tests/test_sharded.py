@@ -259,6 +259,16 @@ def test_the_converter_checks_a_folder_before_writing(sharded, tmp_path, script,
                                                   f"or lies under one\n"), ran.stderr
     assert not (tmp_path / "x.bin").exists()
     run_json = out / "last.dcp" / "run.json"
+    # a format this train.py does not read was converted (the resume of the file then refused it); a billion
+    # layers in model_args were built on the meta device before the weights were compared (a hang, memory growing)
+    for edit, says in (({"format": 7}, "checkpoint format 7 is not 1, which this train.py reads"),
+                       ({"model_args": {"n_layer": 10**9}}, "its model_args describe 12,704,000,001,312 parameters")):
+        saved = json.loads(run_json.read_text())
+        run_json.write_text(json.dumps({**saved, **{k: {**saved[k], **v} if isinstance(v, dict) else v
+                                                    for k, v in edit.items()}}))
+        ran = script("scripts/convert_checkpoint.py", out / "last.dcp", tmp_path / "x.pt")
+        assert ran.returncode == 2 and says in ran.stderr and "Traceback" not in ran.stderr, ran.stderr
+        run_json.write_text(json.dumps(saved))
     run_json.write_text(json.dumps({k: v for k, v in json.loads(run_json.read_text()).items() if k != "step"}))
     ran = script("scripts/convert_checkpoint.py", out / "last.dcp", tmp_path / "x.pt")
     assert ran.returncode == 2 and "lacks ['step']: it was not written by this train.py" in ran.stderr, ran.stderr
