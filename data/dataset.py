@@ -79,6 +79,12 @@ def read_shard_header(path) -> tuple[str, int]:
     return dtype, count
 
 
+def refuse_shards(out_dir: Path) -> None:
+    if has_shards(out_dir):
+        raise ValueError(f"{out_dir} holds token shards (a sharded dataset, or one being prepared): train.bin "
+                         f"and val.bin there would make its shards unread; choose another --out_dir")
+
+
 def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
     """Write train.bin, val.bin and meta.json atomically; return the meta written.
 
@@ -89,9 +95,7 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if has_shards(out_dir):
-        raise ValueError(f"{out_dir} holds token shards (a sharded dataset, or one being prepared): train.bin "
-                         f"and val.bin there would make its shards unread; choose another --out_dir")
+    refuse_shards(out_dir)  # at once, not after waiting for the lock a shard prepare there may hold for hours
     vocab_size = meta["vocab_size"]
     dtype = np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
     arrays = {}
@@ -104,6 +108,7 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
             "val_tokens": arrays["val.bin"].size, "format": DATASET_FORMAT}
     meta_bytes = (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
     with preparing(out_dir):  # another preparation into out_dir waits; what a killed one left goes
+        refuse_shards(out_dir)  # again: a shard prepare that held the lock may have finished meanwhile
         temps = {}
         try:
             for name, array in arrays.items():

@@ -494,10 +494,19 @@ def test_a_missing_dataset_is_prepared_only_into_a_folder_of_its_own(tmp_path):
         Dataset(Config(data_dir=str(tmp_path), block_size=16))
 
 
+@pytest.mark.parametrize("raced", [False, True])  # True: a shard prepare held the lock and wrote them meanwhile
 @pytest.mark.parametrize("other", ["fineweb_val_000000.bin", ".progress.json"])
-def test_a_small_prepare_never_writes_over_a_sharded_dataset(tmp_path, other):
-    (tmp_path / other).write_bytes(b"a shard, or a prepare of shards under way")
-    before = sorted(tmp_path.iterdir())
+def test_a_small_prepare_never_writes_over_a_sharded_dataset(tmp_path, monkeypatch, other, raced):
+    import data.dataset
+    lock = data.dataset.preparing
+
+    def write():
+        (tmp_path / other).write_bytes(b"a shard, or a prepare of shards under way")
+    if raced:  # (the check before the lock once was the only one)
+        monkeypatch.setattr(data.dataset, "preparing", lambda folder: (write(), lock(folder))[1])
+    else:
+        write()
+    before = [tmp_path / other]
     with pytest.raises(ValueError, match="holds token shards .* choose another --out_dir"):
         write_dataset(tmp_path, [1, 2, 3], [4], {"vocab_size": 5, "tokenizer": "char", "chars": "abcde"})
     assert sorted(tmp_path.iterdir()) == before
