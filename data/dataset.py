@@ -201,6 +201,8 @@ def other_source(meta: dict, input_path: str):
             same = named and [now.names, now.sizes] == [prepared.get("files"), prepared.get("file_sizes")]
         except OSError:  # (none left: the --input given decides)
             pass
+        except ValueError:  # it matches a file a prepare refuses now: not the files it read
+            same = False
     elif Path(input_path).is_file():
         try:
             with open(input_path, "rb") as f:  # (in pieces: the text may be gigabytes)

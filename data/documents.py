@@ -90,6 +90,9 @@ def local_source(pattern: str) -> Source:
     for f in files:
         if f.is_file():
             unique.setdefault(os.path.realpath(f), f)
+        elif magic and not f.is_dir():  # (dropped, its documents would be missing without a word)
+            raise ValueError(f"--input {pattern} matches {f}, which is not a readable regular file (a link to "
+                             f"nothing, a pipe or a device): move it away, or give a pattern that leaves it out")
     if not (files := list(unique.values())):
         folder = f"is a folder: give its files ({pattern.rstrip('/')}/*.jsonl, say)" if Path(pattern).is_dir() else \
             "is not a regular file (a pipe or a device): give a file" if Path(pattern).exists() else ""

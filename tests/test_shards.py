@@ -522,6 +522,16 @@ def test_a_glob_may_name_folders_too(tmp_path):
     os.mkfifo(tmp_path / "pipe.jsonl")  # (it "matches no file")
     with pytest.raises(FileNotFoundError, match=re.escape(f"--input {tmp_path}/pipe.jsonl is not a regular file")):
         local_source(f"{tmp_path}/pipe.jsonl")
+    # a glob's match that is neither a file nor a folder is refused, not dropped with its documents
+    with pytest.raises(ValueError, match=re.escape(f"--input {tmp_path}/*.jsonl matches {tmp_path}/pipe.jsonl, which "
+                                                   f"is not a readable regular file (a link to nothing, a pipe")):
+        local_source(f"{tmp_path}/*.jsonl")
+    (tmp_path / "pipe.jsonl").unlink()
+    (tmp_path / "gone.jsonl").symlink_to(tmp_path / "nothing")
+    with pytest.raises(ValueError, match=re.escape(f"matches {tmp_path}/gone.jsonl, which is not a readable")):
+        local_source(f"{tmp_path}/*.jsonl")
+    made = {"source": {"input": f"{tmp_path}/*.jsonl"}, "prepared_with": {"files": [], "file_sizes": []}}
+    assert other_source(made, f"{tmp_path}/*.jsonl") == f"made from {tmp_path}/*.jsonl before it changed"  # train.py's
 
 
 @pytest.mark.slow
