@@ -97,6 +97,9 @@ def local_source(pattern: str) -> Source:
         folder = f"is a folder: give its files ({pattern.rstrip('/')}/*.jsonl, say)" if Path(pattern).is_dir() else \
             "is not a regular file (a pipe or a device): give a file" if Path(pattern).exists() else ""
         raise FileNotFoundError(f"--input {pattern} {folder or 'matches no file'}")
+    for f in files:  # before any is read: a later one refused once left shards whose progress refused the fixed list
+        if f.suffix not in (".parquet", ".jsonl", ".txt"):
+            raise ValueError(f"{f}: not a .parquet, .jsonl or .txt file")
     return Source([os.path.abspath(f) for f in files], lambda i: files[i], sizes=[f.stat().st_size for f in files],
                   description={"name": "local files", "input": os.path.abspath(pattern), "files": len(files)})
 

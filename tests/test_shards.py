@@ -705,11 +705,19 @@ def test_a_prepare_given_no_documents_it_can_read_says_so(tmp_path, script, monk
     ran = script("data/fineweb/prepare.py", f"--input={tmp_path / 'corpus.csv'}", f"--out_dir={tmp_path / 'a'}")
     assert (ran.returncode, ran.stderr) == (2, f"error: {tmp_path / 'corpus.csv'}: not a .parquet, .jsonl or .txt "
                                                f"file\n")
+    (tmp_path / "c").mkdir()  # among others, refused before any is read (shards and their progress were left)
+    (tmp_path / "c" / "a.jsonl").write_text('{"text": "a document before it"}\n' * 300)  # (blocks of 64 in flight)
+    (tmp_path / "c" / "notes.md").write_text("not a document")
+    ran = script("data/fineweb/prepare.py", f"--input={tmp_path}/c/*", f"--out_dir={tmp_path / 'a'}",
+                 "--shard_tokens=100", "--workers=1")
+    assert (ran.returncode, ran.stderr) == (2, f"error: {tmp_path / 'c' / 'notes.md'}: not a .parquet, .jsonl or .txt "
+                                               f"file\n")
+    assert not os.path.lexists(tmp_path / "a" / ".progress.json")
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda *a, **k: ["README.md", "other/0.parquet"])
     ran = script("data/fineweb/prepare.py", f"--out_dir={tmp_path / 'b'}")
     assert (ran.returncode, ran.stderr) == (2, "error: HuggingFaceFW/fineweb-edu has no parquet files in sample/10BT/ "
                                                "at revision main: check --subset\n")
-    assert not list((tmp_path / "a").iterdir()) and not (tmp_path / "b").exists()  # nothing written
+    assert not os.path.lexists(tmp_path / "a") and not (tmp_path / "b").exists()  # nothing written, no folder even
 
 
 @pytest.mark.parametrize("corpus", ["fineweb", "openwebtext"])
