@@ -59,6 +59,8 @@ def parquet_file(path: Path):
         parquet = pq.ParquetFile(path)
     if "text" not in parquet.schema_arrow.names:
         raise ValueError(f"{path} has no 'text' column (it has {', '.join(parquet.schema_arrow.names)})")
+    if (columns := parquet.schema_arrow.names.count("text")) > 1:  # (pyarrow's field("text") raises a KeyError)
+        raise ValueError(f"{path} has {columns} 'text' columns: give it one, holding the documents")
     kind = parquet.schema_arrow.field("text").type
     kind = kind.value_type if pa.types.is_dictionary(kind) else kind  # a pandas categorical's strings
     if str(kind) not in ("string", "large_string", "string_view"):
