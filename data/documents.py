@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from data.files import parse_json
+from errors import first_line
 
 
 def read_documents(path: Path) -> Iterator[str]:
@@ -47,8 +48,8 @@ def readable_parquet(path: Path):
     """pyarrow's errors (a file cut short, or damaged inside) as one line naming the file."""
     try:
         yield
-    except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid is a ValueError
-        raise ValueError(f"{path} is not a readable parquet file ({e})") from None
+    except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid is a ValueError; its text may end in a newline
+        raise ValueError(f"{path} is not a readable parquet file ({first_line(e)})") from None
 
 
 def parquet_file(path: Path):

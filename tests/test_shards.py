@@ -314,6 +314,15 @@ def damaged_inside(folder: Path):
     (folder / "c.parquet").write_bytes(data)
 
 
+def damaged_footer(folder: Path):
+    """c.parquet, the start of its footer overwritten: pyarrow's message ends in a newline."""
+    pq.write_table(pa.table({"text": ["a document"]}), folder / "c.parquet")
+    data = bytearray((folder / "c.parquet").read_bytes())
+    footer = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+    data[footer:footer + 8] = b"\xff" * 8
+    (folder / "c.parquet").write_bytes(data)
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda d: (d / "c.jsonl").write_text('{"body": "no text here"}\n'), "c.jsonl, line 1: no 'text' field"),
     (lambda d: (d / "c.jsonl").write_text('{"text": "a"}\n{"text": "b\n'), "c.jsonl, line 2: not a line of UTF-8 JSON"),
@@ -328,6 +337,7 @@ def damaged_inside(folder: Path):
      "c.parquet has 2 'text' columns"),
     (lambda d: (d / "c.parquet").write_bytes(b"PAR1 cut short"), "c.parquet is not a readable parquet file ("),
     (damaged_inside, "c.parquet is not a readable parquet file (Corrupt snappy compressed data"),  # once unnamed
+    (damaged_footer, "c.parquet is not a readable parquet file (Couldn't deserialize thrift"),  # once two lines
     (lambda d: (d / "c.jsonl").write_text(""), "the corpus holds no documents"),
     (lambda d: (d / "c.txt").write_text("a short corpus"),  # the count once came from the progress bar: 0 here
      "the corpus (1 document, 4 tokens) gives no train shard: too small for --shard_tokens"),
