@@ -239,6 +239,10 @@ def _finish(source: Source, out_dir: Path, streams: dict, counts: list, settings
     splits = {sh["split"] for s in streams.values() for sh in s.shards} | {
         s.split_of_shard(len(s.shards)) for s in streams.values() if s.filled}
     for split in sorted({"train", "val"} - splits):  # checked before the last shards are written
+        if not os.path.lexists(out_dir / "meta.json"):  # a rerun would end here again: what it wrote goes, so that
+            (out_dir / PROGRESS).unlink(missing_ok=True)  # a smaller --shard_tokens is not "other settings"
+            for shard in (sh for s in streams.values() for sh in s.shards):
+                (out_dir / shard["file"]).unlink(missing_ok=True)
         raise ValueError(f"the corpus ({end_doc:,} document{'s' * (end_doc != 1)}, {tokens:,} tokens) gives no "
                          f"{split} shard: too small for --shard_tokens={shard_tokens}")
     for stream in streams.values():

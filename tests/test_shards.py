@@ -350,7 +350,7 @@ def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script,
     proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--workers=1")
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1
-    assert not list(out.glob("*.bin")) and not (out / "meta.json").exists()
+    assert not list(out.glob("*.bin")) and not (out / "meta.json").exists() and not (out / ".progress.json").exists()
     if "readable parquet" in message or "columns" in message:  # openwebtext counts the documents first: named too
         proc = script("data/openwebtext/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--workers=1")
         assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
@@ -361,6 +361,15 @@ def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script,
             proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", f"--workers={workers}")
             assert proc.returncode == 2 and proc.stderr.startswith(f"error: --workers ({workers}) must be 1 to 4 x this "
                                                                    f"host's"), proc.stderr  # (not both options)
+        # exactly one shard's tokens: its val shard and .progress.json stayed, a rerun ended so again, and a
+        # smaller --shard_tokens (the advice) was refused as other settings
+        proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--shard_tokens=4",
+                      "--workers=1")
+        assert proc.returncode == 2 and "(1 document, 4 tokens) gives no train shard" in proc.stderr, proc.stderr
+        assert not list(out.iterdir())
+        proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--shard_tokens=2",
+                      "--workers=1")
+        assert proc.returncode == 0, proc.stderr
 
 
 def test_blank_jsonl_lines_are_skipped_and_a_null_parquet_text_is_an_empty_document(tmp_path, script):
