@@ -188,6 +188,11 @@ def test_load_meta_names_the_missing_dataset_and_how_to_prepare_it(tmp_path, mon
     assert _prepare_again(REPO / "data" / "fineweb", meta=shards) == (
         f"remove {REPO / 'data' / 'fineweb'}, then prepare the dataset again (python data/fineweb/prepare.py --input "
         f"'/c/*.jsonl' --shard_tokens 20 --out_dir {REPO / 'data' / 'fineweb'})")
+    hub = {"source": {"name": "huggingface hub"}, "tokenizer": "gpt2", "prepared_with": {
+        "repo": "HuggingFaceFW/fineweb", "subset": "sample-100BT", "revision": "v1.2", "shard_tokens": 20}}
+    assert _prepare_again(REPO / "data" / "fineweb", meta=hub).endswith(  # the corpus it was made from, not the default
+        "(python data/fineweb/prepare.py --repo HuggingFaceFW/fineweb --subset sample-100BT --revision v1.2 "
+        f"--shard_tokens 20 --out_dir {REPO / 'data' / 'fineweb'})")
     import data.dataset
     monkeypatch.setattr(data.dataset, "__file__", str(tmp_path / "dataset.py"))  # tmp_path as the repo's data/
     (tmp_path / "mine").mkdir()
