@@ -193,8 +193,8 @@ class Logger:
     def hellaswag(self, step: int, score):
         self.log({"step": step, "hellaswag_acc": score.acc, "hellaswag_acc_norm": score.acc_norm,
                   "hellaswag_examples": score.examples, "hellaswag_truncated": score.truncated},
-                 f"step {step}: {score.line()}" + (f" ({score.truncated} examples cut to block_size)"
-                                                   if score.truncated else ""))
+                 f"step {step}: {score.line()}" + (f" ({score.truncated} example{'s' * (score.truncated != 1)} cut "
+                                                   f"to block_size)" if score.truncated else ""))
         self.restart_clock(step)
 
     def advance(self, step: int):
