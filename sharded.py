@@ -65,10 +65,11 @@ def _reader(path: Path):
             which neither DCP nor torch.load checks: a flipped bit is an unreadable checkpoint."""
             data = super()._slice_file(file, info).read()
             try:
+                torch._C.PyTorchFileReader(io.BytesIO(data))  # the zip as torch.load reads it: zipfile forgives more
                 damaged = zipfile.ZipFile(io.BytesIO(data)).testzip()
                 reason = damaged and f"its record {damaged} fails its CRC-32 check"
-            except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
-                reason = f"not what torch.save writes ({first_line(e)})"
+            except (zipfile.BadZipFile, EOFError, OSError, ValueError, RuntimeError) as e:
+                reason = f"not what torch.save writes ({first_line(e).split('. ')[0]})"  # (not miniz's advice)
             if reason:
                 raise UnreadableCheckpoint(f"{info.relative_path} is damaged at byte {info.offset:,}: {reason}")
             return io.BytesIO(data)

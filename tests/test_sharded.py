@@ -155,6 +155,10 @@ def damage(kind: str, last: Path):
         data = bytearray((last / "__0_0.distcp").read_bytes())
         data[len(data) // 2] ^= 1
         (last / "__0_0.distcp").write_bytes(data)
+    elif kind == "a part's zip directory damaged":  # a record's disk number: zipfile reads on, torch.load does not
+        data = bytearray((last / "__0_0.distcp").read_bytes())
+        data[data.find(b"PK\x01\x02") + 34] ^= 0x10
+        (last / "__0_0.distcp").write_bytes(data)
     elif kind == "metadata that runs code":
         (last / ".metadata").write_bytes(pickle.dumps(Exploit()))
     elif kind == "metadata naming torch.hub.load":  # a torch global, but no metadata class
@@ -183,6 +187,8 @@ def damage(kind: str, last: Path):
     ("a part one byte short", "__0_0.distcp is cut short"),
     ("a part's data zeroed", "rank 0: __0_0.distcp is damaged at byte 0: not what torch.save writes"),
     ("a bit flipped in a part", "fails its CRC-32 check"),
+    ("a part's zip directory damaged", "is damaged at byte 0: not what torch.save writes (PytorchStreamReader failed "
+                                       "reading zip archive: unsupported multidisk archive)"),  # once miniz's advice
     ("metadata that runs code", "it names pathlib.Path.touch"),
     ("metadata naming torch.hub.load", "it names torch.hub.load, which a sharded checkpoint of this repo never holds"),
     ("metadata naming torch.save", "it names torch.save, which a sharded checkpoint of this repo never holds"),
