@@ -19,7 +19,8 @@ Checkpoints need host (CPU) memory on top, at each save: a checkpoint holds 12 b
 parameter (the weights and both moments). checkpoint_format="file" gathers all of it into global
 rank 0's CPU memory, so that one process needs 12 bytes per parameter however many share the
 training; "sharded" has each rank write its own 12/W, and async_checkpoint stages a copy of it
-first (another 12/W per rank for as long as the background write runs).
+first (another 12/W per rank for as long as the background write runs). That is under FSDP; under
+HSDP a rank holds 12/S, and under DDP, whose ranks each hold the whole, async stages all 12 on each.
 """
 
 import sys
@@ -87,7 +88,7 @@ def table(worlds: list, batch: int) -> str:
                  *(f"{activations(layers, width, c) / GB:.2f} GB" for c in (False, True))]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Host memory for a save (W={max(worlds)}), on top of training: file on rank 0 | "
-                  f"sharded, any rank | sharded + async, any rank", ""]
+                  f"sharded, any rank | sharded + async, any rank (under FSDP)", ""]
     for name, (layers, heads, width) in SIZES.items():
         total, _ = n_params(layers, heads, width)
         lines.append(f"- {name}: " + " | ".join(f"{checkpoint_bytes(total, f, max(worlds)) / GB:.2f} GB"
