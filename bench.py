@@ -36,7 +36,7 @@ from collectives import any_rank, process_group
 from config import CHOICES, REPO, Config, resolve
 from data.dataset import GPT2_META, GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
 from data.files import atomic_write, atomic_write_bytes, not_a_folder
-from errors import ConfigError, RunError, reported, wait_passing_signals, write_failure
+from errors import TORCHRUN, ConfigError, RunError, reported, wait_passing_signals, write_failure
 from loader import Dataset
 from model import GPTConfig
 from parallel import memory_problem
@@ -313,7 +313,7 @@ def measure(strategies: list, nprocs: list, cfg_args: list, steps: int, warmup: 
                 rows.append({**same, "strategy": strategy, "measured_as": "ddp"})  # 1 process: fsdp is ddp
                 continue
             result = Path(tmp) / f"{strategy}-{n}.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+            cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={n}",
                    str(REPO / "bench.py"), "--worker", f"--result={result}", f"--steps={steps}",
                    f"--warmup={warmup}", f"--report={report}", *cfg_args, f"--strategy={strategy}",
                    *[f"--synthetic_dir={tmp}"] * synthetic(cfg_args), *["--profile"] * profile,

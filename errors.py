@@ -134,6 +134,11 @@ def sigterm_unwinds():
             signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
 
 
+# torchrun, which a signal passed on to it (wait_passing_signals) ends with status 128 + N, not its traceback
+TORCHRUN = [sys.executable, "-c", "import sys, torch.distributed.elastic.multiprocessing as m, torch.distributed.run "
+            "as r\ntry: r.main()\nexcept m.SignalException as e: sys.exit(128 + e.sigval)"]
+
+
 def wait_passing_signals(child) -> int:
     """child's (a Popen's) exit status. SIGTERM and SIGINT (kill -INT) sent here go on to it (torchrun ends its
     workers then; a tool that ended alone left them running), and this process ends as the signal ends a tool."""

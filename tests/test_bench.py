@@ -264,21 +264,26 @@ def test_a_report_that_cannot_be_written_keeps_the_last_and_the_figures_are_prin
     assert "| ddp | 1 | 8 (1) | 128 |" in capsys.readouterr().out
 
 
-@pytest.mark.slow  # a process of its own
-def test_a_signal_to_a_tool_goes_on_to_the_torchrun_it_waits_for(tmp_path, capsys):
-    """kill -INT or SIGTERM to bench.py ended it alone: torchrun and its workers ran on."""
+@pytest.mark.slow  # processes of its own
+def test_a_signal_to_a_tool_goes_on_to_the_torchrun_it_waits_for_which_ends_in_one_line(tmp_path, capsys):
+    """kill -INT or SIGTERM to bench.py ended it alone: torchrun and its workers ran on. Passed on, it
+    printed torchrun's SignalException traceback (30-80 lines)."""
     import os
     import signal
 
-    from errors import wait_passing_signals
-    child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda "
-                              "*a: sys.exit(7))\nprint('ready', flush=True)\ntime.sleep(300)"], stdout=subprocess.PIPE)
-    child.stdout.readline()  # its handler is set
+    from errors import TORCHRUN, wait_passing_signals
+    worker = (f"import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: open({str(tmp_path / 'got')!r}, "
+              f"'w') and sys.exit(7))\nprint('ready', flush=True)\ntime.sleep(300)")
+    child = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc_per_node=1", "--no-python", sys.executable, "-c",
+                              worker], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert child.stdout.readline() == "ready\n"  # the worker's handler is set (and torchrun's)
     waiting = child.wait  # the SIGTERM comes once this process waits, its handler set
     child.wait = lambda: os.kill(os.getpid(), signal.SIGTERM) or waiting()
     with pytest.raises(SystemExit) as ended:
         wait_passing_signals(child)
-    assert (ended.value.code, child.returncode) == (128 + signal.SIGTERM, 7)  # it was passed on, then ended here
+    assert (ended.value.code, child.returncode) == (128 + signal.SIGTERM, 128 + signal.SIGTERM)  # passed on, ended here
+    assert (tmp_path / "got").exists()  # ... and on to the worker
+    assert "Traceback" not in child.stderr.read()
     assert capsys.readouterr().err == "error: interrupted (SIGTERM)\n"
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # as it was
 
