@@ -303,5 +303,5 @@ class StopSignal:
         self.received = signum
 
     def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+        for sig, handler in self.previous.items():  # (None: a handler not set from Python, which cannot be restored)
+            signal.signal(sig, handler or signal.SIG_DFL)

@@ -267,6 +267,18 @@ def test_a_resume_from_an_older_checkpoint_keeps_the_readable_rows_of_the_log_be
     assert capsys.readouterr().out == warning.replace("6 unreadable lines", "1 unreadable line")
 
 
+def test_stop_signal_puts_back_a_handler_set_outside_python_as_the_default(monkeypatch):
+    """signal.signal returns None for a handler C code set: restoring that raised a TypeError at the end."""
+    import signal
+
+    from world import StopSignal
+    calls = []
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: calls.append((sig, handler)))  # (returns None)
+    with StopSignal():
+        pass
+    assert calls[2:] == [(signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.SIG_DFL)]
+
+
 def test_all_finite_finds_a_nan_in_the_weights_or_an_inf_in_the_moments():
     import parallel
     from world import World
