@@ -58,11 +58,17 @@ class Tokens:
         return rows.astype(np.int64)
 
     def grid(self, per_shard: np.ndarray, stride: int, offset: int, ids: np.ndarray) -> np.ndarray:
-        """Global start positions of windows numbered `ids` over all shards, shard by shard,
-        when shard s holds per_shard[s] windows at `offset + k * stride`."""
+        """Global start positions of windows numbered `ids` (int64, overwritten) over all shards, shard
+        by shard, when shard s holds per_shard[s] windows at `offset + k * stride`. In place, 65,536
+        at a time: whole-length temporaries made an epoch's order peak at 40 bytes a window, not 8."""
         first = np.concatenate([[0], np.cumsum(per_shard)])
-        shard = np.searchsorted(first, ids, side="right") - 1
-        return self.offsets[shard] + offset + (ids - first[shard]) * stride
+        for i in range(0, len(ids), 1 << 16):
+            chunk = ids[i:i + (1 << 16)]  # (a view)
+            shard = np.searchsorted(first, chunk, side="right") - 1
+            chunk -= first[shard]
+            chunk *= stride
+            chunk += self.offsets[shard] + offset
+        return ids
 
 
 def windows_to_batch(tokens: Tokens, starts, block_size: int, device) -> tuple:
@@ -101,7 +107,7 @@ class ShardedTokenLoader:
             order = rng.permutation(self.n_windows)
             passes.append(self.tokens.grid(self.per_shard, self.block_size, offset, order))
         # every window may be drawn; the epoch's tail that cannot fill a step is left out
-        self.starts = np.concatenate(passes)[:self.windows_per_epoch]
+        self.starts = (np.concatenate(passes) if len(passes) > 1 else passes[0])[:self.windows_per_epoch]
         self.epoch, self.position = epoch, 0
 
     @property

@@ -60,6 +60,24 @@ def test_set_epoch_changes_the_order_deterministically(token_file):
     assert not np.array_equal(make(token_file, seed=4).starts, first)
 
 
+def test_an_epochs_order_costs_8_bytes_a_window_while_it_is_drawn(tmp_path):
+    """(whole-length temporaries once made it peak at 40: 5 x what docs/data.md and the memory guard count)"""
+    import tracemalloc
+
+    from data.dataset import Shard
+    path = tmp_path / "train.bin"
+    with open(path, "wb") as f:
+        f.truncate(2 * 4_000_001)  # sparse: 4 million windows of block_size 1
+    loader = ShardedTokenLoader(Tokens([Shard(path, "uint16", 0, 4_000_001)]), 1, 4, 4, 0, 1, 0)
+    tracemalloc.start()
+    try:
+        loader.set_epoch(0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert loader.n_windows == 4_000_000 and peak < 10 * loader.n_windows
+
+
 def test_next_batch_rolls_into_the_next_epoch_by_itself(token_file):
     loader = make(token_file)
     while not loader.epoch_done:
