@@ -263,11 +263,17 @@ def _kept(saved) -> str:
 
 
 class Diverged(RunError):
-    def __init__(self, what: str, learning_rate: float, saved):
-        super().__init__(
-            f"{what}. Likely causes: a learning rate too high (learning_rate={learning_rate:g}: try "
-            f"a smaller one or a longer warmup), float16 overflow (try --dtype=bfloat16), or bad "
-            f"data. Nothing was saved from this state: {_kept(saved)}.")
+    """`run`: train.Run; the causes named are those its settings make possible."""
+    def __init__(self, what: str, run, saved):
+        lr, decay = run.cfg.learning_rate, run.cfg.learning_rate * run.cfg.weight_decay
+        causes = [f"a learning rate too high (learning_rate={lr:g}: try a smaller one or a longer warmup)"]
+        if decay >= 1:  # AdamW scales the weights by 1 - lr x weight_decay each step
+            causes.append(f"a weight decay too strong for it (learning_rate x weight_decay = {decay:g}: keep it "
+                          f"below 1)")
+        if str(run.world.dtype) == "torch.float16":
+            causes.append("float16 overflow (try --dtype=bfloat16)")
+        super().__init__(f"{what}. Likely causes: {', '.join(causes)}, or bad data. Nothing was saved from this "
+                         f"state: {_kept(saved)}.")
 
 
 class CheckpointNotWritten(RunError):

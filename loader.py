@@ -176,8 +176,8 @@ def read_dataset(cfg: Config, splits=("train", "val")) -> dict:
             where = "" if len(shards) == 1 else " in its longest shard"
             more = "more data" if len(shards) == 1 else "longer shards (a larger prepare.py --shard_tokens)"
             raise ConfigError(f"block_size ({cfg.block_size}) is too long for the {split} split of "
-                              f"{data_dir} ({longest:,} tokens{where}; it needs {needed:,}): "
-                              f"use {more}, or a model of a smaller block_size")
+                              f"{data_dir} ({longest:,} tokens{where}; it needs {needed:,}): use {more}"
+                              + (", or a model of a smaller block_size" if cfg.block_size > 1 else ""))
     return meta
 
 

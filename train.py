@@ -163,7 +163,7 @@ class Run:
         self.wait_for_save()  # at most one background save in flight (and the messages below name it)
         log.check(self.world, self.saved)  # no checkpoint past a log line that was lost (a resume would skip it)
         if not parallel.all_finite(self.raw_model, self.world, self.optimizer):  # the same answer on every rank
-            raise Diverged(f"weights or moments are NaN or inf at step {self.step}", self.cfg.learning_rate, self.saved)
+            raise Diverged(f"weights or moments are NaN or inf at step {self.step}", self, self.saved)
         out_dir, failure = Path(self.cfg.out_dir), None
         last = out_dir / f"last{'.dcp' if self.cfg.checkpoint_format == 'sharded' else '.pt'}"
         rotate, fresh = checkpoint.lineage(out_dir, last, self.resumed_from, self.saved, self.cfg.resume)
@@ -250,8 +250,7 @@ def eval_and_save(run: Run, log: Logger, at_end: bool, start_step: int):
               for split, (tokens, starts) in run.eval_sets.items()}
     run.val_loss = losses["val"]
     if not math.isfinite(run.val_loss):
-        raise Diverged(f"the validation loss is {run.val_loss} at step {run.step}", cfg.learning_rate,
-                       run.wait_for_save())
+        raise Diverged(f"the validation loss is {run.val_loss} at step {run.step}", run, run.wait_for_save())
     improved, run.best_val_loss = run.val_loss < run.best_val_loss, min(run.best_val_loss, run.val_loss)
     log.log({"step": run.step, "train_eval_loss": losses["train"], "val_loss": run.val_loss,
              "tokens_seen": run.step * cfg.tokens_per_step},
@@ -304,8 +303,7 @@ def train(cfg: Config, world: World, dataset: Dataset) -> dict:
                 if save_failure:
                     raise CheckpointNotWritten(run.pending.step, save_failure, run.saved)
                 if not math.isfinite(loss):
-                    raise Diverged(f"the training loss is {loss} at step {run.step}", cfg.learning_rate,
-                                   run.wait_for_save())
+                    raise Diverged(f"the training loss is {loss} at step {run.step}", run, run.wait_for_save())
                 if at_log:
                     log.train_step(run.step, loss, lr, grad_norm)
                 if signum and run.step < cfg.max_iters:  # the last step still evaluates and saves

@@ -202,6 +202,9 @@ CASES = [
     ("block_size too long for train", [],  # a window may start at any offset: two blocks at least
      lambda d, m: (os.truncate(d / "train.bin", 2 * 31), rewrite_meta(d, train_tokens=31)),
      r"block_size \(16\) is too long for the train split of .* \(31 tokens; it needs 32\)"),
+    ("block_size 1 too long for val", ["--block_size=1"],  # (it also said "or a model of a smaller block_size")
+     lambda d, m: (os.truncate(d / "val.bin", 2 * 1), rewrite_meta(d, val_tokens=1)),
+     r"block_size \(1\) is too long for the val split of .* \(1 tokens; it needs 2\): use more data$"),
     ("resume required and forbidden", ["--init_from=resume", "--resume=never"], None,
      r"init_from='resume' needs a checkpoint but resume='never' forbids one"),
     ("unknown dtype", ["--dtype=float8"], None, r"dtype must be one of .*got 'float8'"),

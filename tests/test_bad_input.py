@@ -13,7 +13,7 @@ import torch
 
 import checkpoint
 import train
-from config import resolve
+from config import Config, resolve
 from data.files import link_or_copy
 from errors import ConfigError, RunError
 from harness import raising, small_disk, tiny_args, train_here
@@ -75,7 +75,18 @@ def test_an_absurd_learning_rate_stops_the_run_with_exit_1_and_saves_nothing(cha
     assert re.fullmatch(r"error: the training loss is nan at step \d\. Likely causes: a learning rate "
                         r"too high \(learning_rate=1e\+30.*no checkpoint of this run was written yet\.\n",
                         err), err
+    # only the causes this run's settings allow (float16 overflow was named for every dtype)
+    assert "(learning_rate x weight_decay = 1e+29: keep it below 1)" in err and "float16" not in err
     assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_divergence_names_float16_overflow_only_under_float16():
+    from types import SimpleNamespace
+
+    from errors import Diverged
+    run = SimpleNamespace(cfg=Config(learning_rate=1e-3, weight_decay=0.1), world=SimpleNamespace(dtype=torch.float16))
+    said = str(Diverged("the training loss is nan at step 3", run, None))
+    assert "float16 overflow (try --dtype=bfloat16), or bad data" in said and "weight decay" not in said
 
 
 def test_a_run_started_with_stdout_closed_trains(char_data, tmp_path, monkeypatch):
