@@ -270,7 +270,7 @@ class Diverged(RunError):
         if decay >= 1:  # AdamW scales the weights by 1 - lr x weight_decay each step
             causes.append(f"a weight decay too strong for it (learning_rate x weight_decay = {decay:g}: keep it "
                           f"below 1)")
-        if str(run.world.dtype) == "torch.float16":
+        if str(run.world.dtype) == "torch.float16":  # (by name: this module imports no torch)
             causes.append("float16 overflow (try --dtype=bfloat16)")
         super().__init__(f"{what}. Likely causes: {', '.join(causes)}, or bad data. Nothing was saved from this "
                          f"state: {_kept(saved)}.")
