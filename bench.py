@@ -173,7 +173,7 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
             config=cfg.to_dict(), data="synthetic" if synthetic_dir else str(cfg.data_dir or cfg.dataset),
             vocab_size=run.model_args["vocab_size"], n_params=run.raw_model.get_num_params())
         if world.is_master:
-            result.write_text(json.dumps(figures, indent=1))
+            atomic_write_bytes(result, json.dumps(figures, indent=1).encode())  # (its folder made, if need be)
 
 
 # -----------------------------------------------------------------------------

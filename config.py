@@ -231,8 +231,10 @@ def validate(cfg: Config) -> Config:
          f"lr_decay_iters must be None or at least warmup_iters ({cfg.warmup_iters}) and 1, got {cfg.lr_decay_iters}")
     need(0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1,
          f"beta1 and beta2 must be in [0, 1), got {cfg.beta1} and {cfg.beta2}")
-    need(0 < cfg.dist_timeout <= 1e6, f"dist_timeout must be positive seconds, at most 1e6 (11 days), "
-                                      f"got {cfg.dist_timeout}")
+    need(1 <= cfg.dist_timeout <= 1e6, f"dist_timeout must be positive seconds, 1 to 1e6 (11 days), "
+                                       f"got {cfg.dist_timeout}")  # (under 1 ms, torch's store waits 0 ms)
+    need(cfg.pad_vocab_to <= 2**16, f"pad_vocab_to rounds the vocabulary up to a multiple of it (64 on GPUs): "
+                                    f"at most 65,536, got {cfg.pad_vocab_to}")
     need(cfg.fsdp_shard_size >= 0, f"fsdp_shard_size must be >= 0 (0 = all ranks), got {cfg.fsdp_shard_size}")
     need(cfg.fsdp_shard_size == 0 or cfg.strategy == "fsdp",
          f"fsdp_shard_size={cfg.fsdp_shard_size} shards the model: it needs --strategy=fsdp")

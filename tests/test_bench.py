@@ -224,6 +224,16 @@ def test_synthetic_data_stays_bounded_however_many_steps_are_asked_for(monkeypat
         assert n_train.value.args[0] == tokens
 
 
+def test_a_workers_result_goes_into_a_folder_it_makes(tmp_path):
+    """(bench.py --worker --result=FILE, for other launchers: a folder not made yet was a raw errno line,
+    exit 2, after the whole measurement)"""
+    import bench
+    tiny = ["--n_layer=1", "--n_head=1", "--n_embd=16", "--block_size=8", "--batch_size=2", "--global_batch_size=2",
+            "--device=cpu", "--dtype=float32"]
+    bench.worker(tiny, 2, 0, tmp_path / "new" / "result.json", tmp_path, None)
+    assert json.loads((tmp_path / "new" / "result.json").read_text())["config"]["n_embd"] == 16
+
+
 def test_a_worker_that_fails_while_running_is_a_failed_run(monkeypatch, tmp_path):
     """The checks passed in the parent, then a torchrun failed: exit 1 (a run failed), not 2 (bad input)."""
     import subprocess

@@ -110,6 +110,8 @@ LONG = "a" * 300  # a file name past 255 bytes
     ("--beta1=1.0", "beta1 and beta2 must be in"),
     ("--beta1=-0.1", "beta1 and beta2 must be in"),
     ("--dist_timeout=0", "dist_timeout must be positive seconds"),
+    ("--dist_timeout=0.0004", "dist_timeout must be positive seconds, 1 to 1e6"),  # (a store that waits 0 ms)
+    ("--pad_vocab_to=1000000000", "pad_vocab_to rounds the vocabulary up to a multiple of it (64 on GPUs): at most"),
     ("--fsdp_shard_size=-1", "fsdp_shard_size must be >= 0"),
     ("--fsdp_shard_size=2", "it needs --strategy=fsdp"),
     *[(f"--{n}=zero3", f"{n} must be one of") for n in ("dtype", "backend", "strategy", "checkpoint_format")],
