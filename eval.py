@@ -50,8 +50,8 @@ def check(args):
     for name in ("limit", "val_windows", "batch_size"):
         if getattr(args, name) < (0 if name == "limit" else 1):
             raise ConfigError(f"--{name} must be {'>= 0' if name == 'limit' else 'positive'}, got {getattr(args, name)}")
-    if not 0 < args.dist_timeout <= 1e6:  # (nan too)
-        raise ConfigError(f"--dist_timeout must be positive seconds, at most 1e6, got {args.dist_timeout}")
+    if not 1 <= args.dist_timeout <= 1e6:  # (nan too; under 1 ms, torch's store waits 0 ms)
+        raise ConfigError(f"--dist_timeout must be positive seconds, 1 to 1e6, got {args.dist_timeout}")
     if args.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
     if args.no_hellaswag and not (args.dataset or args.data_dir):
