@@ -209,14 +209,6 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
     return ckpt
 
 
-def size_problem(config: GPTConfig, weights: dict):
-    """What is wrong if a checkpoint's weights are not as many as its model_args describe, or None: checked
-    before a model is built from them (an edited shape could ask for terabytes, or a billion layers)."""
-    held = sum(v.numel() for k, v in weights.items() if k != "lm_head.weight")  # (wte's, tied)
-    return None if config.n_params == held else \
-        f"its model_args describe {config.n_params:,} parameters, its weights hold {held:,}"
-
-
 def saved_vocabulary(meta_path: Path):
     """For a checkpoint written before checkpoints kept their vocabulary: that of the meta.json the run wrote
     beside it (which a later run into the same out_dir rewrites), or None."""

@@ -41,6 +41,13 @@ class GPTConfig:
         block = 12 * C * C + 2 * C + 11 * C * bias  # 4 matrices (C x 3C, C x C, C x 4C, 4C x C), 2 LayerNorms
         return self.n_layer * block + (self.padded_vocab_size + self.block_size) * C + C * (1 + bias)
 
+    def size_problem(self, weights: dict):
+        """What is wrong if a checkpoint's `weights` are not as many as this shape (its model_args) has, or
+        None: checked before a model is built (an edited shape could ask for terabytes, or a billion layers)."""
+        held = sum(v.numel() for k, v in weights.items() if k != "lm_head.weight")  # (wte's, tied)
+        return None if self.n_params == held else \
+            f"its model_args describe {self.n_params:,} parameters, its weights hold {held:,}"
+
 
 class KVCache:
     """Keys and values of one attention layer for block_size positions, allocated on first use

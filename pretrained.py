@@ -304,7 +304,7 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
         ckpt = checkpoint.read(path)
         try:
             config = GPTConfig(**ckpt["model_args"])  # (its dropout: eval mode applies none; an export records it)
-            if problem := checkpoint.size_problem(config, ckpt["model"]):
+            if problem := config.size_problem(ckpt["model"]):
                 raise ValueError(problem)
             if not all(torch.isfinite(w).all() for w in ckpt["model"].values()):  # (rewritten by other code)
                 raise ValueError("its weights hold NaN or inf")

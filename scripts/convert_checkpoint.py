@@ -40,7 +40,7 @@ def main(argv=None):
     try:  # what a resume checks of it, and finite numbers (a folder other code rewrote)
         cfg = Config(**{k: v for k, v in state["config"].items() if k in FIELD_TYPES})
         tensors = [*state["model"].values(), *(t for s in state["optimizer"]["state"].values() for t in s.values())]
-        problem = checkpoint.size_problem(GPTConfig(**state["model_args"]), state["model"]) or \
+        problem = GPTConfig(**state["model_args"]).size_problem(state["model"]) or \
             checkpoint.malformed(state, state["model_args"], cfg) or (
             None if all(torch.isfinite(t).all() for t in tensors) else "its weights or moments hold NaN or inf")
     except Exception as e:  # noqa: BLE001  model_args or a config no GPT of this repo has (a hand edit)
