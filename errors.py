@@ -117,21 +117,39 @@ def interrupted(signum: int) -> str:
 
 
 @contextmanager
-def sigterm_unwinds():
-    """For a prepare script: SIGTERM (a scheduler, `timeout`) unwinds as Ctrl-C does, in one line, status 143
-    (a shard prepare's pool starts no more work and the shard being written goes; killed at once, it left
-    worker tracebacks and leaked semaphores). Only the main thread can set a handler; elsewhere SIGTERM
-    stays as it was."""
+def sigterm_unwinds(grace: float = 2.0):
+    """SIGTERM (a scheduler, `timeout`) unwinds as Ctrl-C does, in one line, status 143 (a shard prepare's pool
+    starts no more work and the shard being written goes; killed at once, it left worker tracebacks and leaked
+    semaphores; train.py leaves no out_dir holding only run.lock). Python runs the handler only once the main
+    thread is back from C++, and a rank can wait there long (a collective for a peer that prepares data): if it
+    has not run within `grace` seconds, a watchdog ends the process at once, as SIGTERM's default did. Only the
+    main thread can set a handler; elsewhere SIGTERM stays as it was."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    taken = threading.Event()
+
     def unwind(signum, frame):
+        taken.set()
         say(f"error: {interrupted(signum)}")
         raise SystemExit(128 + signum)
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, unwind) if main else None
+
+    def watch(read):  # the signals' numbers, as they come (set_wakeup_fd), until the pipe closes
+        while data := os.read(read, 64):  # (not while another handler holds SIGTERM: train.py's StopSignal)
+            if signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) is unwind and not taken.wait(grace):
+                say(f"error: {interrupted(signal.SIGTERM)}")
+                os._exit(128 + signal.SIGTERM)
+        os.close(read)
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    previous, previous_fd = signal.signal(signal.SIGTERM, unwind), signal.set_wakeup_fd(write)
+    threading.Thread(target=watch, args=(read,), daemon=True).start()
     try:
         yield
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+        signal.set_wakeup_fd(previous_fd)
+        signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+        os.close(write)
 
 
 # torchrun, which a signal passed on to it (wait_passing_signals) ends with status 128 + N, not its traceback

@@ -23,7 +23,7 @@ import torch
 import pretrained
 from collectives import agree_or_raise, collective_failures_explained, differs_from_rank0, process_group
 from config import Config, validate
-from errors import ArgumentParser, ConfigError, reported
+from errors import ArgumentParser, ConfigError, RunError, reported
 from evals import hellaswag
 from loader import dataset_dir, eval_starts, read_dataset, token_splits
 from evals.loss import val_loss
@@ -112,6 +112,9 @@ def main(argv=None):
             hellaswag.same_on_every_rank(examples, world, "--hellaswag")
             score, _ = hellaswag.evaluate(model, examples, world, autocast(world), args.batch_size,
                                           progress=world.is_master)
+            if score.not_finite:  # (its weights are finite: pretrained.load_gpt checked)
+                raise RunError(f"HellaSwag's losses are NaN or inf in {score.not_finite} of {score.examples} examples: "
+                               f"the model overflows {str(world.dtype).removeprefix('torch.')} (try --dtype=float32)")
     if world.is_master:
         print(f"# {name}, {world.size} process{'es' if world.size > 1 else ''}")
         if val is not None:

@@ -280,6 +280,8 @@ def train(cfg: Config, world: World, dataset: Dataset) -> dict:
                 # (the unwrapped model: an eval forward needs no DDP; under FSDP it is the sharded module)
                 score, _ = hellaswag.evaluate(run.raw_model, run.hellaswag, world, run.autocast, cfg.batch_size,
                                               parallel.is_fsdp(run.raw_model))
+                if score.not_finite:  # (NaN's argmin is ending 0: a diverged model scored 1 in 4)
+                    raise Diverged(f"HellaSwag's losses are NaN or inf at step {run.step}", run, run.wait_for_save())
                 run.hellaswag_step = run.step
                 log.hellaswag(run.step, score)
             if (run.step % cfg.eval_interval == 0 or at_end) and not resumed_here:

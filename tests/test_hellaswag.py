@@ -27,7 +27,7 @@ import pretrained  # noqa: E402
 import train  # noqa: E402
 from config import resolve  # noqa: E402
 from data.tokenizers import GPT2_TIKTOKEN_SHA256, REPO_COPY, gpt2_encoding  # noqa: E402
-from errors import ConfigError, RunError, reported  # noqa: E402
+from errors import ConfigError, reported  # noqa: E402
 from evals import hellaswag  # noqa: E402
 from world import World  # noqa: E402
 
@@ -136,9 +136,20 @@ def test_a_full_stderr_does_not_end_the_evaluation_and_a_nan_model_is_refused(hf
     model = pretrained.load_gpt(str(hf_folder))  # NaN's argmin is ending 0: a diverged model scored 1 in 4
     with torch.no_grad():
         model.lm_head.weight[5] = float("nan")  # (tied: the embedding's row of one token too)
-    with pytest.raises(RunError, match=r"HellaSwag's losses are NaN or inf in \d+ of 24 examples: the weights "):
-        hellaswag.evaluate(model, hellaswag.load(str(hs_file), block_size=64), World(),
-                           torch.autocast("cpu", enabled=False), batch_size=20)
+    score, _ = hellaswag.evaluate(model, hellaswag.load(str(hs_file), block_size=64), World(),
+                                  torch.autocast("cpu", enabled=False), batch_size=20)
+    assert score.not_finite == score.examples == 24  # (eval.py and train.py stop on it)
+
+
+def test_a_diverged_run_stops_at_its_hellaswag_naming_the_causes_its_settings_allow(bpe_data, small_file, tmp_path,
+                                                                                    capsys):
+    with pytest.raises(SystemExit) as ended:  # (scored with the loss still unchecked: log_interval is later)
+        train.cli(bpe_args(bpe_data, small_file, tmp_path, learning_rate=1e30, log_interval=10, hellaswag_interval=1))
+    err = capsys.readouterr().err
+    assert ended.value.code == 1 and re.fullmatch(r"error: HellaSwag's losses are NaN or inf at step \d\. Likely "
+                                                  r"causes: a learning rate too high .*\n", err), err
+    assert "weight decay too strong" in err and "float16" not in err  # (a float32 run)
+    assert not hellaswag_rows(tmp_path) or all(r["step"] == 0 for r in hellaswag_rows(tmp_path))
 
 
 def test_a_context_longer_than_block_size_loses_its_left_and_is_counted(tmp_path, capsys):

@@ -112,6 +112,24 @@ def test_a_sigterm_before_the_first_step_is_one_line_and_leaves_no_out_dir(char_
     assert began or out.endswith("error: interrupted (SIGTERM)\n") and not out_dir.exists(), out
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["unwinds", "held in C"])
+def test_a_sigterm_the_main_thread_cannot_take_ends_the_process_after_a_grace(held):
+    """A rank waiting in a collective for a peer (one preparing data, say) took the SIGTERM only when the
+    wait ended, up to dist_timeout later (errors.sigterm_unwinds' handler runs on the main thread). A
+    locked pthread mutex stands in for that C++ wait; a handler that runs still unwinds, cleanup and all."""
+    wait = ("libc.pthread_mutex_lock(mutex)" if held else "time.sleep(60)")  # (the mutex is locked already)
+    code = (f"import ctypes, sys, time\nsys.path.insert(0, {str(REPO)!r})\nfrom errors import sigterm_unwinds\n"
+            f"libc, mutex = ctypes.CDLL(None), ctypes.create_string_buffer(64)\nlibc.pthread_mutex_lock(mutex)\n"
+            f"with sigterm_unwinds(grace=1):\n    print('ready', flush=True)\n    try:\n        {wait}\n"
+            f"    finally:\n        time.sleep(2)  # longer than the grace\n        print('cleaned up', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert (proc.returncode, err) == (128 + signal.SIGTERM, "error: interrupted (SIGTERM)\n")
+    assert out == ("" if held else "cleaned up\n")  # held: ended at once after the grace, as SIGTERM's default
+
+
 def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(char_data, tmp_path, uninterrupted):
     proc = start(torchrun(recovery_args(char_data, tmp_path, resume="auto"), extra=["--max-restarts=1"]))
     wait_for(lambda: (tmp_path / "last.pt").exists() and logged_step(tmp_path) >= 15, proc, what="a checkpoint")
