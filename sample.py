@@ -84,7 +84,8 @@ def batches(num_samples: int, prompt: int, new: int, config, device):
     then in chunks of that size, so a huge request runs in bounded memory."""
     per_sample = sample_bytes(prompt, new, config)
     if per_sample > available_memory(device):
-        raise ConfigError(f"one sample needs {per_sample / 1e9:.1f} GB, more than {device} has available")
+        raise ConfigError(f"one sample needs {per_sample / 1e9:.1f} GB, more than {device} has available: ask for "
+                          f"fewer --max_new_tokens (or a shorter --start)")
     chunk = max(1, CHUNK_BYTES // per_sample)
     for i in range(0, num_samples, chunk):  # (a list of them all took memory without bound)
         yield min(chunk, num_samples - i)
