@@ -113,8 +113,9 @@ def main(argv=None):
             score, _ = hellaswag.evaluate(model, examples, world, autocast(world), args.batch_size,
                                           progress=world.is_master)
             if score.not_finite:  # (its weights are finite: pretrained.load_gpt checked)
-                raise RunError(f"HellaSwag's losses are NaN or inf in {score.not_finite} of {score.examples} examples: "
-                               f"the model overflows {str(world.dtype).removeprefix('torch.')} (try --dtype=float32)")
+                half = str(world.dtype).removeprefix("torch.") if world.dtype != torch.float32 else None
+                raise RunError(f"HellaSwag's losses are NaN or inf in {score.not_finite} of {score.examples} examples"
+                               + (f": the model overflows {half} (try --dtype=float32)" if half else ""))
     if world.is_master:
         print(f"# {name}, {world.size} process{'es' if world.size > 1 else ''}")
         if val is not None:

@@ -224,7 +224,7 @@ class Score:
     correct_norm: int
     examples: int
     truncated: int
-    not_finite: int = 0  # examples whose losses are NaN or inf (a diverged model, a float16 overflow): a caller stops
+    not_finite: int  # examples whose losses are NaN or inf (a diverged model, a float16 overflow): a caller stops
 
     @property
     def acc(self) -> float:
