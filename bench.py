@@ -36,7 +36,7 @@ from collectives import any_rank, process_group
 from config import CHOICES, REPO, Config, resolve
 from data.dataset import GPT2_META, GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
 from data.files import atomic_write, atomic_write_bytes, not_a_folder
-from errors import TORCHRUN, ConfigError, RunError, reported, wait_passing_signals, write_failure
+from errors import TORCHRUN, ConfigError, RunError, reported, signals_unwind, wait_passing_signals, write_failure
 from loader import Dataset
 from model import GPTConfig
 from parallel import memory_problem
@@ -346,5 +346,5 @@ def write_report(rows: list, report: Path, steps: int, warmup: int, args: list):
 
 
 if __name__ == "__main__":
-    with reported(debug="--debug" in sys.argv, also=(OSError,)):  # OSError: the report cannot be written
+    with reported(debug="--debug" in sys.argv, also=(OSError,)), signals_unwind():  # (OSError: the report's)
         main([a for a in sys.argv[1:] if a != "--debug"])

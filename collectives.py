@@ -11,7 +11,6 @@ Messages travel as JSON over the world's gloo group, never as pickle.
 import gc
 import json
 import os
-import select
 import signal
 import socket
 import threading
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from errors import (SEE_OTHER_RANK, CollectiveFailed, ConfigError, GroupNotFormed, RunError, UnreadableCheckpoint,
-                    interrupted, say)
+                    say)
 
 
 def agree_max(value: int, world) -> int:
@@ -149,18 +148,13 @@ def collective_failures_explained(world, dist_timeout: float, where):
         raise CollectiveFailed(world.rank, where(), dist_timeout, e) from None
 
 
-def _watch(world, address: str, dist_timeout: float, pipe: tuple):
-    """_join's watchdog thread: ends the process when nothing answers for 2 x dist_timeout + 2 s, or
-    when a signal's number comes through the pipe (Python's handlers wait for the main thread,
-    which the store's C++ wait holds: Ctrl-C waited out dist_timeout). A 0 byte: the join ended."""
-    silent = TimeoutError(f"nothing answered at {address}: is another program listening on MASTER_PORT?")
-    error, status = GroupNotFormed(world.rank, world.size, address, dist_timeout, silent), 1
-    if select.select([pipe[0]], [], [], 2 * dist_timeout + 2)[0]:
-        if not (signum := os.read(pipe[0], 1)[0]):
-            return [os.close(fd) for fd in pipe]
-        error, status = f"{interrupted(signum)} while the process group formed", 128 + signum
-    say(f"error: {error}")  # (under train_spawn.py, into its folder of ranks' lines: printed once)
-    os._exit(status)
+def _watch(world, address: str, dist_timeout: float, joined: threading.Event):
+    """_join's watchdog thread: ends the process when nothing answers for 2 x dist_timeout + 2 s.
+    (A signal meanwhile: errors.signals_unwind's watchdog, as the store's C++ wait holds the main thread.)"""
+    if not joined.wait(2 * dist_timeout + 2):
+        silent = TimeoutError(f"nothing answered at {address}: is another program listening on MASTER_PORT?")
+        say(f"error: {GroupNotFormed(world.rank, world.size, address, dist_timeout, silent)}")  # (under
+        os._exit(1)  # train_spawn.py, into its folder of ranks' lines: printed once)
 
 
 def _join(world, dist_timeout: float):
@@ -177,11 +171,8 @@ def _join(world, dist_timeout: float):
     # answers (not a torch store) would hold this rank forever. The rendezvous, and then the
     # world-size read and init_process_group (which wait on the same peers), take at most
     # dist_timeout each, so past twice that nothing will come.
-    pipe = os.pipe()
-    os.set_blocking(pipe[1], False)
-    main = threading.current_thread() is threading.main_thread()  # (only it may set a wakeup fd)
-    previous = signal.set_wakeup_fd(pipe[1]) if main else None
-    threading.Thread(target=_watch, args=(world, address, dist_timeout, pipe), daemon=True).start()
+    joined = threading.Event()
+    threading.Thread(target=_watch, args=(world, address, dist_timeout, joined), daemon=True).start()
     try:
         socket.getaddrinfo(os.environ.get("MASTER_ADDR") or "localhost", None)  # fails in 2 x dist_timeout else
         store, _, _ = next(dist.rendezvous("env://", world.rank, world.size, timeout=timeout))
@@ -204,9 +195,7 @@ def _join(world, dist_timeout: float):
                               f"program, or another job's rank 0, listens there): give every rank another") from None
         raise GroupNotFormed(world.rank, world.size, address, dist_timeout, e) from None
     finally:
-        if main:
-            signal.set_wakeup_fd(previous)
-        os.write(pipe[1], b"\0")  # the watchdog's cue to close the pipe and end
+        joined.set()
     # Small CPU messages (votes, JSON, sharded checkpoints' coordination) go through gloo, also under NCCL.
     world.timeout = timeout  # (new_group's own default is 30 minutes, whatever dist_timeout says)
     world.group = dist.new_group(backend="gloo", timeout=timeout) if world.backend != "gloo" else None

@@ -117,38 +117,43 @@ def interrupted(signum: int) -> str:
 
 
 @contextmanager
-def sigterm_unwinds(grace: float = 2.0):
-    """SIGTERM (a scheduler, `timeout`) unwinds as Ctrl-C does, in one line, status 143 (a shard prepare's pool
-    starts no more work and the shard being written goes; killed at once, it left worker tracebacks and leaked
-    semaphores; train.py leaves no out_dir holding only run.lock). Python runs the handler only once the main
-    thread is back from C++, and a rank can wait there long (a collective for a peer that prepares data): if it
-    has not run within `grace` seconds, a watchdog ends the process at once, as SIGTERM's default did. Only the
-    main thread can set a handler; elsewhere SIGTERM stays as it was."""
+def signals_unwind(grace: float = 2.0):
+    """Ctrl-C and SIGTERM (a scheduler, `timeout`) unwind, each in one line, status 130 or 143 (a shard
+    prepare's pool starts no more work and the shard being written goes; train.py leaves no out_dir holding
+    only run.lock). Python runs a handler only once the main thread is back from C++, and a rank can wait
+    there long (the store, for peers that have not started; a collective, for a peer that prepares data):
+    if it has not run within `grace` seconds, a watchdog ends the process at once, as SIGTERM's default
+    does. It stands aside while another handler holds the signal (train.py's StopSignal, which saves
+    first). Only the main thread can set a handler; elsewhere the signals stay as they were."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    taken = threading.Event()
+    taken, signals = threading.Event(), (signal.SIGINT, signal.SIGTERM)
 
     def unwind(signum, frame):
         taken.set()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt  # (errors.reported's "interrupted (Ctrl-C)", 130)
         say(f"error: {interrupted(signum)}")
         raise SystemExit(128 + signum)
 
     def watch(read):  # the signals' numbers, as they come (set_wakeup_fd), until the pipe closes
-        while data := os.read(read, 64):  # (not while another handler holds SIGTERM: train.py's StopSignal)
-            if signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) is unwind and not taken.wait(grace):
-                say(f"error: {interrupted(signal.SIGTERM)}")
-                os._exit(128 + signal.SIGTERM)
+        while data := os.read(read, 64):
+            for signum in (s for s in signals if s in data and signal.getsignal(s) is unwind):
+                if not taken.wait(grace):
+                    say(f"error: {interrupted(signum)}")
+                    os._exit(128 + signum)
         os.close(read)
     read, write = os.pipe()
     os.set_blocking(write, False)
-    previous, previous_fd = signal.signal(signal.SIGTERM, unwind), signal.set_wakeup_fd(write)
+    previous, previous_fd = {s: signal.signal(s, unwind) for s in signals}, signal.set_wakeup_fd(write)
     threading.Thread(target=watch, args=(read,), daemon=True).start()
     try:
         yield
     finally:
         signal.set_wakeup_fd(previous_fd)
-        signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+        for s, handler in previous.items():  # (None: a handler not set from Python)
+            signal.signal(s, handler or signal.SIG_DFL)
         os.close(write)
 
 

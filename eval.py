@@ -23,7 +23,7 @@ import torch
 import pretrained
 from collectives import agree_or_raise, collective_failures_explained, differs_from_rank0, process_group
 from config import Config, validate
-from errors import ArgumentParser, ConfigError, RunError, reported
+from errors import ArgumentParser, ConfigError, RunError, reported, signals_unwind
 from evals import hellaswag
 from loader import dataset_dir, eval_starts, read_dataset, token_splits
 from evals.loss import val_loss
@@ -131,5 +131,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    with reported():
+    with reported(), signals_unwind():
         main()

@@ -34,7 +34,7 @@ from collectives import (Agreement, agree_or_raise, any_rank, collective_failure
 from config import PER_HOST, Config, resolve
 from data.files import remove
 from errors import (CheckpointNotWritten, ConfigError, Diverged, LogNotWritten, UnreadableCheckpoint, first_line,
-                    reported, sigterm_unwinds)
+                    reported, signals_unwind)
 from evals import hellaswag
 from evals.loss import val_loss
 from loader import Dataset, ShardedTokenLoader, eval_starts, token_splits
@@ -337,7 +337,7 @@ def cli(argv=None):
     """Exit 2 for a config or data problem, 1 for a failed run: one line saying what to do, with the
     traceback only under --debug. SIGTERM outside training ends as Ctrl-C does (not leaving run.lock)."""
     args = sys.argv[1:] if argv is None else list(argv)
-    with reported(debug="--debug" in args), sigterm_unwinds():  # (also --help | head: a reader that went away)
+    with reported(debug="--debug" in args), signals_unwind():  # (also --help | head: a reader that went away)
         if "-h" in args or "--help" in args:
             return print(f"{__doc__}\n--debug shows the traceback of an error.\n\n{Config.defaults()}", flush=True)
         result = main(resolve(strip_local_rank([a for a in args if a != "--debug"])))

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 import train
 from config import resolve
-from errors import LOST_PEER, SEE_OTHER_RANK, ArgumentParser, ConfigError, reported, sigterm_unwinds
+from errors import LOST_PEER, SEE_OTHER_RANK, ArgumentParser, ConfigError, reported, signals_unwind
 from world import World, setup, strip_local_rank
 
 
@@ -35,8 +35,7 @@ def free_port() -> int:
 def worker(rank: int, nproc: int, args: list[str], errors: str, interrupted):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), ERRORS_TO=errors)  # errors.say writes its line there
-    with reported(), sigterm_unwinds():  # both held while a rank imports torch (Ctrl-C printed a traceback)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    with reported(), signals_unwind():  # both held while a rank imports torch (Ctrl-C printed a traceback)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))  # (blocked by run: inherited)
         if interrupted.is_set() or not mp.parent_process().is_alive():  # (or killed before mp set a death signal:
             raise KeyboardInterrupt  # an orphan trained on)

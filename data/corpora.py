@@ -63,8 +63,8 @@ def _folder(text: str) -> str:
 @contextmanager
 def errors_exit_2():
     """For a prepare script's __main__: bad input ends in one line and exit status 2, SIGTERM in one line too."""
-    from errors import reported, sigterm_unwinds
-    with reported(also=(OSError, ValueError, RuntimeError)), sigterm_unwinds():
+    from errors import reported, signals_unwind
+    with reported(also=(OSError, ValueError, RuntimeError)), signals_unwind():
         yield
 
 

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from errors import interrupted
 from harness import (REPO, assert_same_weights, child_env, children, ckpt, free_port, logged_step, python, run,
                      run_world, start, tiny_args, torchrun, train_py, wait_for, wait_for_line)
 
@@ -112,21 +113,22 @@ def test_a_sigterm_before_the_first_step_is_one_line_and_leaves_no_out_dir(char_
     assert began or out.endswith("error: interrupted (SIGTERM)\n") and not out_dir.exists(), out
 
 
-@pytest.mark.parametrize("held", [False, True], ids=["unwinds", "held in C"])
-def test_a_sigterm_the_main_thread_cannot_take_ends_the_process_after_a_grace(held):
-    """A rank waiting in a collective for a peer (one preparing data, say) took the SIGTERM only when the
-    wait ended, up to dist_timeout later (errors.sigterm_unwinds' handler runs on the main thread). A
-    locked pthread mutex stands in for that C++ wait; a handler that runs still unwinds, cleanup and all."""
+@pytest.mark.parametrize("signum, held", [(signal.SIGTERM, False), (signal.SIGTERM, True), (signal.SIGINT, True)],
+                         ids=["unwinds", "held in C", "Ctrl-C held in C"])
+def test_a_signal_the_main_thread_cannot_take_ends_the_process_after_a_grace(signum, held):
+    """A rank waiting in a collective for a peer (one preparing data, say) took a SIGTERM or Ctrl-C only
+    when the wait ended, up to dist_timeout later (errors.signals_unwind's handlers run on the main thread).
+    A locked pthread mutex stands in for that C++ wait; a handler that runs still unwinds, cleanup and all."""
     wait = ("libc.pthread_mutex_lock(mutex)" if held else "time.sleep(60)")  # (the mutex is locked already)
-    code = (f"import ctypes, sys, time\nsys.path.insert(0, {str(REPO)!r})\nfrom errors import sigterm_unwinds\n"
+    code = (f"import ctypes, sys, time\nsys.path.insert(0, {str(REPO)!r})\nfrom errors import signals_unwind\n"
             f"libc, mutex = ctypes.CDLL(None), ctypes.create_string_buffer(64)\nlibc.pthread_mutex_lock(mutex)\n"
-            f"with sigterm_unwinds(grace=1):\n    print('ready', flush=True)\n    try:\n        {wait}\n"
+            f"with signals_unwind(grace=1):\n    print('ready', flush=True)\n    try:\n        {wait}\n"
             f"    finally:\n        time.sleep(2)  # longer than the grace\n        print('cleaned up', flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout.readline() == "ready\n"
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=30)
-    assert (proc.returncode, err) == (128 + signal.SIGTERM, "error: interrupted (SIGTERM)\n")
+    assert (proc.returncode, err) == (128 + signum, f"error: {interrupted(signum)}\n")
     assert out == ("" if held else "cleaned up\n")  # held: ended at once after the grace, as SIGTERM's default
 
 

@@ -406,19 +406,19 @@ def test_a_tokenizing_worker_leaves_ctrl_c_to_the_main_process_and_reports_a_fai
         signal.signal(signal.SIGINT, previous)
 
 
-def test_sigterm_unwinds_only_where_a_handler_can_be_set():
+def test_signals_unwind_only_where_a_handler_can_be_set():
     """(a prepare's SIGTERM handler: prepare() called from a thread raised "signal only works in main thread")"""
     import signal
     import threading
 
-    from errors import sigterm_unwinds
+    from errors import signals_unwind
     before, seen = signal.getsignal(signal.SIGTERM), []
-    with sigterm_unwinds():
+    with signals_unwind():
         assert signal.getsignal(signal.SIGTERM) not in (before, signal.SIG_DFL)
     assert signal.getsignal(signal.SIGTERM) == before
 
     def in_a_thread():
-        with sigterm_unwinds():
+        with signals_unwind():
             seen.append(signal.getsignal(signal.SIGTERM))
     thread = threading.Thread(target=in_a_thread)
     thread.start()
