@@ -24,6 +24,7 @@ import pretrained
 from collectives import agree_or_raise, collective_failures_explained, differs_from_rank0, process_group
 from config import Config, validate
 from errors import ArgumentParser, ConfigError, RunError, reported, signals_unwind
+from data.dataset import contents
 from evals import hellaswag
 from loader import dataset_dir, eval_starts, read_dataset, token_splits
 from evals.loss import val_loss
@@ -62,7 +63,7 @@ def check(args):
 
 
 def val_split(args, model, vocab: dict) -> tuple:
-    """(tokens, window starts) of --dataset's val split, checked against the model's vocabulary."""
+    """(tokens, window starts, its contents' digest) of --dataset's val split, checked against the model's vocabulary."""
     cfg = validate(Config(dataset=args.dataset, data_dir=args.data_dir, block_size=model.config.block_size))
     meta = read_dataset(cfg, ("val",))  # (train.bin is no concern of an evaluation)
     if any(meta.get(k) != vocab.get(k) for k in ("vocab_size", "tokenizer", "chars")):  # (or other characters)
@@ -71,7 +72,7 @@ def val_split(args, model, vocab: dict) -> tuple:
         raise ConfigError(f"{dataset_dir(cfg)} has another vocabulary ({meta.get('tokenizer')} of {meta['vocab_size']} "
                           f"tokens) than the model ({models}): give a dataset of the model's tokenizer")
     tokens = token_splits(cfg, meta, ("val",))["val"]
-    return tokens, eval_starts(tokens, cfg.block_size, args.val_windows)
+    return tokens, eval_starts(tokens, cfg.block_size, args.val_windows), contents(meta)
 
 
 def main(argv=None):
@@ -103,11 +104,11 @@ def main(argv=None):
         # scores would be summed into one (a digest of the model's shape and each weight's first and last value)
         ends = torch.cat([p.detach().reshape(-1)[[0, -1]].float() for p in model.parameters()]).cpu().numpy()
         digest = hashlib.sha256(repr(vars(model.config)).encode() + ends.tobytes()).hexdigest()[:16]
-        loaded = {"model": digest, "val_tokens": val and int(val[0].lengths.sum())}
+        loaded = {"model": digest, "val": val and [int(val[0].lengths.sum()), val[2]]}
         agree_or_raise(differs_from_rank0(loaded, world, what="model and val split (each host's --out_dir or "
                                           "--init_from, and --data_dir)"), world)
         if val is not None:
-            loss = val_loss(model, *val, model.config.block_size, args.batch_size, world, autocast(world), False)
+            loss = val_loss(model, *val[:2], model.config.block_size, args.batch_size, world, autocast(world), False)
         if examples is not None:
             hellaswag.same_on_every_rank(examples, world, "--hellaswag")
             score, _ = hellaswag.evaluate(model, examples, world, autocast(world), args.batch_size,

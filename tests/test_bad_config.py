@@ -677,14 +677,16 @@ def test_ranks_started_with_different_configs_all_stop_before_training(char_data
             "give every rank the same config")
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [line, line]
     assert nothing_written(tmp_path / "out")
-    # the same config, but another host's copy of the dataset holds other characters (the same count)
+    # the same config, but another host's copy of the dataset holds other characters (the same count), made
+    # from another text (the same sizes: once unnoticed, as a shuffle of the same lines would be)
     other = shutil.copytree(char_data, tmp_path / "other")
     meta = json.loads((other / "meta.json").read_text())
-    (other / "meta.json").write_text(json.dumps({**meta, "chars": meta["chars"][::-1]}))
+    (other / "meta.json").write_text(json.dumps({**meta, "chars": meta["chars"][::-1],
+                                                 "source": {**meta["source"], "sha256": "0" * 64}}))
     ranks_say(_train_rank_recording_config_errors, 2, tmp_path, tiny_args(char_data, tmp_path / "out", dist_timeout=60),
               False, [f"--data_dir={other}"])
     line = (tmp_path / "rank1.txt").read_text()
-    assert line.startswith("rank 1 was started with chars=") and line.endswith(
+    assert line.startswith("rank 1 was started with chars=") and ", contents='" in line and line.endswith(
         "give every rank the same dataset (each host's data_dir)") and (tmp_path / "rank0.txt").read_text() == line
 
 

@@ -496,15 +496,17 @@ def test_eval_py_ranks_that_loaded_another_model_or_val_split_all_stop(trained, 
         other = Path(shutil.copytree(char_data, other))
         (other / "val.bin").write_bytes((other / "val.bin").read_bytes()[:2000])
         meta = json.loads((other / "meta.json").read_text())
-        (other / "meta.json").write_text(json.dumps({**meta, "val_tokens": 1000}))
+        (other / "meta.json").write_text(json.dumps({**meta, "val_tokens": 1000,  # (and from another text)
+                                                     "source": {**meta["source"], "sha256": "0" * 64}}))
     out_dirs, data_dirs = ([trained, other], [char_data] * 2) if differ == "model" else \
         ([trained] * 2, [char_data, other])
     lines = ranks_say(_eval_rank, 2, tmp_path, [[f"--out_dir={o}", f"--data_dir={d}", "--no_hellaswag", "--device=cpu",
                                                  "--val_windows=4"] for o, d in zip(out_dirs, data_dirs)])
     assert lines[0] == lines[1]
     said = lines[0].split(": give")[0]
-    assert re.fullmatch(r"rank 1 was started with model='\w+' \(rank 0: '\w+'\)" if differ == "model" else
-                        r"rank 1 was started with val_tokens=1000 \(rank 0: 6002\)", said), lines[0]
+    found = re.fullmatch(r"rank 1 was started with model='\w+' \(rank 0: '\w+'\)" if differ == "model" else
+                         r"rank 1 was started with val=\[1000, '(\w+)'\] \(rank 0: \[6002, '(\w+)'\]\)", said)
+    assert found and (differ == "model" or found[1] != found[2]), lines[0]
     assert lines[0].endswith(": give every rank the same model and val split (each host's --out_dir or --init_from, "
                              "and --data_dir)")
 
