@@ -148,11 +148,14 @@ def collective_failures_explained(world, dist_timeout: float, where):
         raise CollectiveFailed(world.rank, where(), dist_timeout, e) from None
 
 
-def _watch(world, address: str, dist_timeout: float, joined: threading.Event):
-    """_join's watchdog thread: ends the process when nothing answers for 2 x dist_timeout + 2 s.
+def _watch(world, address: str, dist_timeout: float, answered: threading.Event, joined: threading.Event):
+    """_join's watchdog thread: ends the process when the join has not ended for 2 x dist_timeout + 2 s.
     (A signal meanwhile: errors.signals_unwind's watchdog, as the store's C++ wait holds the main thread.)"""
     if not joined.wait(2 * dist_timeout + 2):
-        silent = TimeoutError(f"nothing answered at {address}: is another program listening on MASTER_PORT?")
+        silent = TimeoutError(f"the store at {address} answered, but not every rank joined the group: a peer stopped "
+                              f"while joining, or cannot reach this host at the address gloo gave it" if
+                              answered.is_set() else f"nothing answered at {address}: is another program listening "
+                              f"on MASTER_PORT?")
         say(f"error: {GroupNotFormed(world.rank, world.size, address, dist_timeout, silent)}")  # (under
         os._exit(1)  # train_spawn.py, into its folder of ranks' lines: printed once)
 
@@ -171,11 +174,12 @@ def _join(world, dist_timeout: float):
     # answers (not a torch store) would hold this rank forever. The rendezvous, and then the
     # world-size read and init_process_group (which wait on the same peers), take at most
     # dist_timeout each, so past twice that nothing will come.
-    joined = threading.Event()
-    threading.Thread(target=_watch, args=(world, address, dist_timeout, joined), daemon=True).start()
+    answered, joined = threading.Event(), threading.Event()
+    threading.Thread(target=_watch, args=(world, address, dist_timeout, answered, joined), daemon=True).start()
     try:
         socket.getaddrinfo(os.environ.get("MASTER_ADDR") or "localhost", None)  # fails in 2 x dist_timeout else
         store, _, _ = next(dist.rendezvous("env://", world.rank, world.size, timeout=timeout))
+        answered.set()
         # torchrun restarts a failed group against the same store, where a dead peer's address
         # lingers for a new rank to read: a prefix per attempt keeps each attempt's keys apart.
         store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
@@ -186,6 +190,10 @@ def _join(world, dist_timeout: float):
             if (size := int(store.get("world_size"))) != world.size:
                 raise ConfigError(f"WORLD_SIZE is {world.size} here but {size} on rank 0: start every rank with "
                                   f"the same")
+            if store.add(f"rank-{world.rank}", 1) > 1:  # (it would wait out the join, then blame the network)
+                raise ConfigError(f"another process joined {address} as rank {world.rank} first: RANK was given "
+                                  f"twice, or another job uses this MASTER_PORT; give each rank its own RANK, "
+                                  f"and each job its own MASTER_PORT")
         dist.init_process_group(world.backend, store=store, rank=world.rank, world_size=world.size, timeout=timeout)
     except ConfigError:
         raise

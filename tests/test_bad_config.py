@@ -385,6 +385,40 @@ def test_a_master_port_in_use_is_named(char_data, tmp_path, monkeypatch, capsys)
     assert err.endswith("(another program, or another job's rank 0, listens there): give every rank another\n")
 
 
+def test_a_rank_given_twice_is_named_at_once(monkeypatch):
+    # (the second rank 1 waited out twice dist_timeout, then blamed "another program listening on MASTER_PORT")
+    import torch.distributed as dist
+    import collectives
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # rank 0's, which a rank 1 joined
+    attempt = dist.PrefixStore("attempt-0", store)
+    attempt.set("world_size", "2")
+    attempt.add("rank-1", 1)
+    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    with pytest.raises(errors.ConfigError, match=rf"^another process joined 127.0.0.1:{store.port} as rank 1 first: "
+                                                 r"RANK was given twice, or another job uses this MASTER_PORT; "):
+        collectives._join(world.World(rank=1, size=2), dist_timeout=5)
+
+
+@pytest.mark.parametrize("answered", [False, True])
+def test_a_join_that_never_ends_says_how_far_it_got(monkeypatch, answered):
+    # (past the store, a peer that stopped while gloo connected was blamed on "another program on MASTER_PORT")
+    import threading
+    import collectives
+    said = []
+    monkeypatch.setattr(collectives, "say", said.append)
+    monkeypatch.setattr(os, "_exit", said.append)
+    reached = threading.Event()
+    if answered:
+        reached.set()
+    collectives._watch(world.World(rank=0, size=2), "10.0.0.1:29500", -0.95, reached, threading.Event())  # 0.1 s
+    assert said[1] == 1 and said[0].startswith("error: rank 0 on ")
+    assert ("the store at 10.0.0.1:29500 answered, but not every rank joined the group" if answered else
+            "nothing answered at 10.0.0.1:29500: is another program listening on MASTER_PORT?") in said[0], said[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("program", ["train.py", "eval.py"])
 def test_ctrl_c_ends_a_rank_waiting_for_its_peers_at_once(char_data, tmp_path, program):
