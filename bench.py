@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from collectives import any_rank, process_group
-from config import CHOICES, REPO, Config, resolve
+from collectives import agree_or_raise, any_rank, differs_from_rank0, process_group
+from config import CHOICES, PER_HOST, REPO, Config, resolve
 from data.dataset import GPT2_META, GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
 from data.files import atomic_write, atomic_write_bytes, not_a_folder
 from errors import TORCHRUN, ConfigError, RunError, reported, signals_unwind, wait_passing_signals, write_failure
@@ -134,7 +134,6 @@ KERNEL_KINDS = [
     ("memcpy/fill", ("memcpy", "memset", "fill", "copy")),
 ]
 
-
 FIXED = ["--resume=never", "--hellaswag_interval=0"]  # every measured run starts afresh and evaluates nothing
 
 
@@ -142,7 +141,9 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
     cfg = resolve(cfg_args + FIXED + [f"--out_dir={tempfile.gettempdir()}/gpt-train-bench-out"])
     world = setup(cfg)
     device, accum, gpu = world.device, world.accum, world.device.type == "cuda"
-    with process_group(world, cfg.dist_timeout):
+    with process_group(world, cfg.dist_timeout):  # each rank's settings rank 0's (else a C++ abort, or its shape)
+        agree_or_raise(differs_from_rank0({**cfg.to_dict(), "steps": steps, "warmup": warmup, "synthetic": bool(
+            synthetic_dir), "profile": bool(profile_dir)}, world, PER_HOST), world)
         if synthetic_dir:
             # at most 2^27 tokens: then the loader's epochs roll over (or repeat the data within a step)
             n_train = min((warmup + 2 * steps + 2) * cfg.tokens_per_step, 2**27) + cfg.block_size
@@ -227,10 +228,9 @@ def plot(rows: list, out, info: dict):
         ax1.plot(n, [r["tokens_per_sec"] for r in mine], "o-", label=strategy)
         if all(r["scaling_efficiency"] is not None for r in mine):
             ax2.plot(n, [r["scaling_efficiency"] * 100 for r in mine], "o-", label=strategy)
-    nprocs = sorted({r["nproc"] for r in rows})
-    ax2.axhline(100, color="grey", linestyle=":", label="ideal")
+    ax2.axhline(100, color="grey", linestyle=":", label="ideal")  # (efficiency may pass it: no upper ylim)
     for ax, ylabel in ((ax1, "tokens / s"), (ax2, "scaling efficiency (%)")):
-        ax.set(xlabel="processes", ylabel=ylabel, xticks=nprocs, ylim=(0, None))  # (efficiency may pass 100%)
+        ax.set(xlabel="processes", ylabel=ylabel, xticks=sorted({r["nproc"] for r in rows}), ylim=(0, None))
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{info['device']}, {info['dtype']}, global batch {rows[0]['global_batch_size']} x "

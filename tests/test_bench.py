@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from harness import REPO, run, train_here
+from harness import REPO, ranks_say, run, train_here
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -232,6 +232,23 @@ def test_a_workers_result_goes_into_a_folder_it_makes(tmp_path):
             "--device=cpu", "--dtype=float32"]
     bench.worker(tiny, 2, 0, tmp_path / "new" / "result.json", tmp_path, None)
     assert json.loads((tmp_path / "new" / "result.json").read_text())["config"]["n_embd"] == 16
+
+
+def _bench_rank(rank, world_size, args, result):
+    import bench
+    bench.worker(args, 3 if rank == 0 else 6, 1, result, result.parent, None)  # (rank 1 started with --steps=6)
+    return "measured"
+
+
+@pytest.mark.slow
+def test_bench_workers_started_with_different_settings_all_stop(tmp_path):
+    """(bench.py --worker under another launcher: rank 1 with another --steps aborted rank 0 in gloo's C++,
+    exit 134; with another n_embd, both measured rank 0's model)"""
+    tiny = ["--n_layer=1", "--n_head=1", "--n_embd=16", "--block_size=8", "--batch_size=2", "--global_batch_size=4",
+            "--device=cpu", "--dtype=float32", "--dist_timeout=60"]
+    lines = ranks_say(_bench_rank, 2, tmp_path, tiny, tmp_path / "result.json")
+    assert lines == ["rank 1 was started with steps=6 (rank 0: 3): give every rank the same config"] * 2, lines
+    assert not (tmp_path / "result.json").exists()
 
 
 def test_a_worker_that_fails_while_running_is_a_failed_run(monkeypatch, tmp_path):
