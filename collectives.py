@@ -225,9 +225,8 @@ def process_group(world, dist_timeout: float):
     forms none). Every rank prints one line saying where it stands."""
     if world.size > 1:
         _join(world, dist_timeout)
-    print(f"host {socket.gethostname()} | rank {world.rank} | local rank {world.local_rank} | "
-          f"world size {world.size} | device {world.device} | backend {world.backend if world.size > 1 else 'none'}",
-          flush=True)
+    print(f"host {socket.gethostname()} | rank {world.rank} | local rank {world.local_rank} | world size {world.size} | "
+          f"device {world.device} | backend {world.backend if world.size > 1 else 'none'}\n", end="", flush=True)
     try:
         with collective_failures_explained(world, dist_timeout, lambda: "before the first step"):
             if world.size > 1:

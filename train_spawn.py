@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 import train
 from config import resolve
 from errors import LOST_PEER, SEE_OTHER_RANK, ArgumentParser, ConfigError, reported, signals_unwind
+from errors import interrupted as signal_line
 from world import World, setup, strip_local_rank
 
 
@@ -75,9 +76,10 @@ def reader_gone() -> bool:
 def run(nproc: int, args: list, errors: Path):
     interrupted = mp.get_context("spawn").Event()  # (before the mask below: this starts mp's resource tracker,
     # and starting it unblocks SIGINT and SIGTERM again)
-    signals, context, held = (signal.SIGTERM, signal.SIGINT), None, []
+    signals, context, held, sent = (signal.SIGTERM, signal.SIGINT), None, [], set()
 
     def forward(signum, frame):  # SIGTERM (a scheduler) and SIGINT (kill -INT), as torchrun does: each rank stops
+        sent.add(signum)
         if signum == signal.SIGINT:  # at a step boundary and saves (a terminal's Ctrl-C reaches them too)
             interrupted.set()  # (a rank not yet in its worker reads this)
         if context is None:  # still spawning: passed on once the ranks exist
@@ -100,7 +102,9 @@ def run(nproc: int, args: list, errors: Path):
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
         if reader_gone():  # `| head`: a pipe's writer's end, quietly (the ranks' lines say only that it went;
             sys.exit(128 + signal.SIGPIPE)  # the rank that found it may still be exiting, or ended by mp: not 141)
-        said = [(errors / str(rank)).read_text("utf-8") for rank in range(nproc) if (errors / str(rank)).exists()]
+        said = {rank: (errors / str(rank)).read_text("utf-8") for rank in range(nproc) if (errors / str(rank)).exists()}
+        said = [line for rank, line in said.items() if rank == e.error_index or signal.SIGTERM in sent or
+                line != f"error: {signal_line(signal.SIGTERM)}"]  # (mp.spawn ends the others so once one failed)
         own = [line for line in said if not line.endswith(SEE_OTHER_RANK)]  # (that message is here too)
         causes = [line for line in own if LOST_PEER not in line]  # a rank that lost its peer followed another's
         killed = getattr(e, "exit_code", 0) < 0  # end: not beside the cause (a line, or a signal named below)

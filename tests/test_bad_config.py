@@ -565,6 +565,10 @@ def test_a_signal_while_train_spawn_starts_its_ranks_is_passed_on(tmp_path, monk
     # a rank killed by SIGKILL: the launcher's line names it; the survivor's lost collective goes
     ({0: "LOST"}, -9, ["error: rank 1 was killed by SIGKILL"]),
     ({0: "LOST", 1: "LOST"}, 1, ["LOST"]),  # a broken network: nothing else to say
+    # mp.spawn ends the other ranks with SIGTERM once one failed: that is not what the user sent
+    ({0: "error: interrupted (SIGTERM)"}, -9, ["error: rank 1 was killed by SIGKILL"]),
+    ({0: "error: interrupted (SIGTERM)", 1: "error: MASTER_PORT 29517 is in use"}, 2, ["error: MASTER_PORT 29517"]),
+    ({1: "error: interrupted (SIGTERM)"}, 143, ["error: interrupted (SIGTERM)"]),  # (the one a user sent it)
 ])
 def test_train_spawn_prints_the_cause_not_the_peers_that_lost_it(tmp_path, monkeypatch, capsys, lines, exit_code,
                                                                   expected):

@@ -16,6 +16,7 @@ true gradient, so Adam turns pure rounding noise there into whole-learning-rate 
 
 import os
 import shutil
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -104,6 +105,21 @@ def test_ranks_on_one_host_share_its_cores(monkeypatch):
     for local_size in (2, 3, 8, 16):
         use_device(World(local_size=local_size))
     assert calls == [4, 2]  # 8 // 2 and 8 // 3; one thread each for 8 or 16 ranks, the count it has
+
+
+def test_each_rank_says_where_it_stands_in_one_write(monkeypatch):
+    """(print's two writes, the line and its end, interleaved two ranks' lines under PYTHONUNBUFFERED=1)"""
+    from collectives import process_group
+    from world import World
+    writes = []
+
+    class Unbuffered:
+        write, flush = writes.append, lambda self: None
+    monkeypatch.setattr(sys, "stdout", Unbuffered())
+    with process_group(World(), 60):
+        pass
+    writes = [w for w in writes if w]  # (print's end="": an empty write, which interleaves nothing)
+    assert len(writes) == 1 and writes[0].startswith("host ") and writes[0].endswith(" | backend none\n"), writes
 
 
 def _accumulate(rank, world_size, data_dir, out_file, variant):

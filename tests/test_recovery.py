@@ -132,6 +132,21 @@ def test_a_signal_the_main_thread_cannot_take_ends_the_process_after_a_grace(sig
     assert out == ("" if held else "cleaned up\n")  # held: ended at once after the grace, as SIGTERM's default
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_whose_exception_was_lost_still_ends_the_process(signum):
+    """A handler that runs in a __del__ (or a weakref callback: torch has many) raises into nothing:
+    Python prints "Exception ignored" and goes on. The process went on training, and exited 0."""
+    code = (f"import os, signal, sys, time\nsys.path.insert(0, {str(REPO)!r})\nfrom errors import signals_unwind\n"
+            f"class Dying:\n    def __del__(self):\n        os.kill(os.getpid(), {int(signum)})\n"
+            f"        time.sleep(0.5)  # the handler runs here\n"
+            f"with signals_unwind(grace=1, unwound=1):\n    Dying()\n    print('went on', flush=True)\n"
+            f"    time.sleep(60)\n")
+    proc = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=30)
+    assert (proc.returncode, proc.stdout) == (128 + signum, "went on\n"), proc.stderr
+    assert "Exception ignored" in proc.stderr and f"error: {interrupted(signum)}\n" in proc.stderr  # (Python's
+    assert proc.stderr.count("error:") == 1, proc.stderr  # lines, then the watchdog's; SIGTERM's handler said it)
+
+
 def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(char_data, tmp_path, uninterrupted):
     proc = start(torchrun(recovery_args(char_data, tmp_path, resume="auto"), extra=["--max-restarts=1"]))
     wait_for(lambda: (tmp_path / "last.pt").exists() and logged_step(tmp_path) >= 15, proc, what="a checkpoint")
