@@ -97,7 +97,6 @@ class Config:
 REPO = Path(__file__).resolve().parent  # configs/, data/
 FIELD_TYPES = typing.get_type_hints(Config)
 PER_HOST = ("out_dir", "data_dir", "prepare_input", "hellaswag_path", "device")  # may differ between ranks
-GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 LAUNCHERS = ("nproc", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "standalone", "rdzv_id",
              "rdzv_backend", "rdzv_endpoint", "rdzv_conf", "max_restarts", "monitor_interval", "start_method",
              "log_dir", "redirects", "tee", "rank", "world_size", "local_world_size")  # (torchrun's options, ranks)
@@ -195,20 +194,6 @@ def load_file(path: str) -> dict:
     return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, skip)}
 
 
-def near_gpt2_name(name: str, known=GPT2_NAMES) -> str:
-    """": did you mean 'gpt2'?" for a name near one of `known` (gpt2-small, the hub's openai-community/gpt2), or ""."""
-    bare = name.lower().removeprefix("openai-community/")  # (gpt2-XL: it was 'gpt2')
-    close = [] if "/" in bare else difflib.get_close_matches(bare.replace("-small", ""), known, n=1)  # (not -xl)
-    return f": did you mean '{close[0]}'?" if close else ""
-
-
-def _exists(path: str) -> bool:
-    try:
-        return Path(path).exists()
-    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
-        return False
-
-
 def validate(cfg: Config) -> Config:
     """Range checks that do not depend on the world size or the device (world.setup checks
     global_batch_size against batch_size x world size once it knows the world)."""
@@ -245,10 +230,6 @@ def validate(cfg: Config) -> Config:
     need(not cfg.async_checkpoint or cfg.checkpoint_format == "sharded",
          "async_checkpoint writes in the background through torch.distributed.checkpoint: it needs "
          "--checkpoint_format=sharded")
-    known = ("scratch", "resume", *GPT2_NAMES)
-    if cfg.init_from not in known and "/" not in cfg.init_from and not _exists(cfg.init_from):
-        raise ConfigError(f"init_from {cfg.init_from!r} is not scratch, resume, a GPT-2 name ({', '.join(GPT2_NAMES)}) "
-                          f"or a folder{near_gpt2_name(cfg.init_from, known)}")
     need(not (cfg.init_from == "resume" and cfg.resume == "never"),
          "init_from='resume' needs a checkpoint but resume='never' forbids one: use --resume=auto "
          "(out_dir/last.pt) or --resume=PATH.pt, or --init_from=scratch")

@@ -1,17 +1,17 @@
 """Trained models to use: OpenAI's released GPT-2 in Hugging Face's format, the way back out to
 that format, and a training run's checkpoint loaded for sample.py, eval.py and the export script.
 
-init_from may name a released model (gpt2, gpt2-medium, gpt2-large, gpt2-xl: 124M to 1.5B
-parameters), taken from the local Hugging Face cache or downloaded into it, or a folder holding
-a Hugging Face GPT-2 model (config.json and model.safetensors, or pytorch_model.bin, read with
-weights_only=True). transformers is not needed: safetensors reads the weights, huggingface_hub
-finds or fetches them, and gpt2_from_hf/gpt2_to_hf map the names (scripts/export_hf.py writes a
-checkpoint as such a folder, which transformers' GPT2LMHeadModel.from_pretrained loads).
+init_from may name a released model (gpt2, gpt2-medium, gpt2-large, gpt2-xl: 124M to 1.5B parameters), taken from the
+local Hugging Face cache or downloaded into it, or a folder holding a Hugging Face GPT-2 model (config.json and
+model.safetensors, or pytorch_model.bin, read with weights_only=True). transformers is not needed: safetensors reads
+the weights, huggingface_hub finds or fetches them, and gpt2_from_hf/gpt2_to_hf map the names (scripts/export_hf.py
+writes a checkpoint as such a folder, which transformers' GPT2LMHeadModel.from_pretrained loads).
 
 Under several processes train.py's rank 0 reads and the other ranks receive, as for a resume, so
 other hosts need no copy (eval.py loads on every rank).
 """
 
+import difflib
 import functools
 import os
 import warnings
@@ -22,13 +22,12 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint
-from config import GPT2_NAMES, near_gpt2_name
 from data.dataset import GPT2_META, GPT2_VOCAB_SIZE, load_meta
 from data.files import read_json
 from errors import ConfigError, UnreadableCheckpoint, first_line, load_failure
 from model import GPT, GPTConfig
 
-RELEASED = {name: f"openai-community/{name}" for name in GPT2_NAMES}
+RELEASED = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -112,6 +111,13 @@ def weight_file(folder: Path):
 
 def is_model_folder(folder: Path) -> bool:
     return (folder / "config.json").is_file() and weight_file(folder) is not None
+
+
+def near_gpt2_name(name: str) -> str:
+    """": did you mean 'gpt2'?" for a name near a released one (gpt2-small, the hub's openai-community/gpt2), or ""."""
+    bare = name.lower().removeprefix("openai-community/")  # (gpt2-XL: it was 'gpt2')
+    close = [] if "/" in bare else difflib.get_close_matches(bare.replace("-small", ""), list(RELEASED), n=1)
+    return f": did you mean '{close[0]}'?" if close else ""  # (-small: not gpt2-xl, difflib's)
 
 
 @functools.lru_cache(maxsize=None)  # model_args() and load_state() both ask: look (or download) once

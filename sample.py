@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--max_new_tokens", type=int, default=500)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=200, help="0 = no top-k filtering")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seed", type=int, default=1337, help="64 bits; on a CPU torch keeps the low 32")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
     return p.parse_args(argv)
 
@@ -106,13 +106,14 @@ def main(argv=None):
     args = parse_args(argv)
     check(args)
     device = pick_device(args.device, World())
+    text = read_prompt(args.start)  # (before the model, which may be a download, or take minutes to load)
     model, meta, name = pretrained.load_for_text(args.init_from, args.out_dir, device, args.checkpoint)
     try:
         encode, decode = tokenizer_from_meta(meta)
     except (ValueError, RuntimeError) as e:  # no GPT-2 BPE file to be had
         raise ConfigError(str(e)) from None
     try:
-        prompt = encode(read_prompt(args.start))
+        prompt = encode(text)
     except ValueError as e:  # characters outside a char vocabulary
         default = " (the default --start, a newline: give --start=TEXT)" if args.start == "\n" else ""
         raise ConfigError(f"{e}{default}") from None

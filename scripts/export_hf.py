@@ -102,8 +102,9 @@ def main(argv=None):
     except (OSError, ValueError, LookupError, TypeError, AttributeError):  # (no config.json: an older run, a copy)
         began = False
     run = any((to / name).exists() for name in checkpoint.WRITTEN if name != "config.json") or any(to.glob("*.dcp"))
-    if mine or began or run or to.suffix == ".dcp":  # a run's (its config.json), its init_from, or a checkpoint
-        what = ("a sharded checkpoint" if to.suffix == ".dcp" else "the run's own folder" if mine else
+    named = to.suffix in (".pt", ".dcp") or any(p.suffix == ".dcp" for p in to.parents)  # (a run's next save
+    if mine or began or run or named:  # replaces it) a run's (its config.json), its init_from, or a checkpoint
+        what = ("a checkpoint's name, or inside one" if named else "the run's own folder" if mine else
                 "the folder the run started from (init_from)" if began else
                 "a dataset folder" if (to / "train.bin").exists() or has_shards(to) else "another run's own folder")
         raise ConfigError(f"--to={to} is {what}: give another folder, of its own (files there are replaced)")

@@ -267,6 +267,17 @@ def test_fine_tuning_on_two_ranks_starts_from_the_folder_and_resumes_exactly(tmp
     assert all(torch.equal(whole[k], split[k]) for k in whole)
 
 
+def test_a_resume_needs_a_folder_named_without_a_slash_no_more(tmp_path, bpe_data, hf_folder, train, monkeypatch):
+    """(a folder named as an export names it, gpt2-shakespeare, was refused once gone: "not scratch, resume,
+    a GPT-2 name or a folder", though its shape is in the checkpoint)"""
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(hf_folder, tmp_path / "tiny-gpt2")
+    train(tiny_finetune(bpe_data, tmp_path / "out", "tiny-gpt2", max_iters=1, eval_interval=1))
+    shutil.rmtree(tmp_path / "tiny-gpt2")
+    again = tiny_finetune(bpe_data, tmp_path / "out", "tiny-gpt2", max_iters=2, eval_interval=1, resume="auto")
+    assert "resuming from" in train(again).stdout and checkpoint.read(tmp_path / "out" / "last.pt")["step"] == 2
+
+
 HF_SHAPE_OURS = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=50257)
 
 
@@ -363,9 +374,15 @@ def test_a_released_name_comes_from_the_cache_else_a_download_else_says_where_to
 
 
 def test_a_mistyped_name_gets_a_suggestion():
-    from config import validate
+    with pytest.raises(ConfigError, match="^init_from gpt3: no Hugging Face GPT-2 model there .*did you mean 'gpt2'"):
+        pretrained.locate("gpt3")  # (train.py: once nothing is resumed, which needs no folder)
     with pytest.raises(ConfigError, match="did you mean 'gpt2-medium'"):
-        validate(Config(init_from="gpt2-meduim"))
+        pretrained.locate("gpt2-meduim")
+    with pytest.raises(ConfigError, match="did you mean 'gpt2'\\?$"):  # the 124M model (difflib: gpt2-xl)
+        pretrained.locate("gpt2-small")
+    for given, near in (("gpt2-XL", "gpt2-xl"), ("GPT2", "gpt2")):  # (once 'gpt2', and no hint)
+        with pytest.raises(ConfigError, match=f"did you mean '{near}'\\?$"):
+            pretrained.locate(given)
 
 
 # --- export_hf.py -----------------------------------------------------------------------------
@@ -497,8 +514,10 @@ def test_export_bad_input_is_one_line(tmp_path, fails_with, trained):
     for to in (tmp_path / "empty", tmp_path / "link"):
         fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={to}"],
                    f"--to={to} is the run's own folder")
-    fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'out' / 'best.dcp'}"],
-               f"--to={tmp_path / 'out' / 'best.dcp'} is a sharded checkpoint: give another folder")  # (files added)
+    for to in ("best.dcp", "last.pt", "best.dcp/hf"):  # (files added; a folder named last.pt, or put in a .dcp the
+        fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'out' / to}"],
+                   f"--to={tmp_path / 'out' / to} is a checkpoint's name, or inside one: give another folder")
+        assert not (tmp_path / "out" / to).exists()  # next save replaces, was taken: a run's resume was refused)
     (tmp_path / "data").mkdir()  # a dataset's meta.json: it was "another run's own folder"
     for name in ("meta.json", "train.bin"):
         (tmp_path / "data" / name).write_text("")

@@ -113,6 +113,7 @@ def older(out):
     (["--top_k=-3"], "--top_k must be >= 0 (0 = no top-k filtering), got -3"),
     (["--device=tpu"], "device 'tpu' is not one this trainer runs on"),
     (["--start=FILE:/nonexistent/prompt.txt"], "prompt file /nonexistent/prompt.txt does not exist"),
+    ([lambda tmp: f"--out_dir={tmp}", "--start=FILE:/no/prompt"], "prompt file /no/prompt"),  # (before the model)
     ([lambda tmp: f"--start=FILE:{tmp}"], "is a folder"),
     (["--start=FILE:"], "'FILE:' names no file: give --start=FILE:PATH (a text file)"),  # (was "prompt file .")
     (["--start=FILE:/proc/self/mem"], "cannot read prompt file /proc/self/mem: Input/output error"),  # (a traceback)
