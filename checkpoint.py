@@ -320,7 +320,11 @@ def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
     paths = on_rank0(lambda: [str(p) for p in find(cfg)], world)
     if cfg.resume == "auto" and world.size > 1:  # an out_dir each host keeps: does rank 0's hold the newest?
         agree_or_raise(newer_than_rank0(cfg, world, on_rank0(lambda: newest_step(paths), world)), world)
-    return read_first(paths, use, world.is_master)
+    try:
+        return read_first(paths, use, world.is_master)
+    except UnreadableCheckpoint as e:  # the last there: what to do (a best one may read)
+        raise UnreadableCheckpoint(f"{e}: give --resume=PATH of one that reads (best.pt or best.dcp, say), or "
+                                   f"--resume=never to start afresh") from None
 
 
 def newest_step(paths: list) -> int:
