@@ -230,11 +230,12 @@ def malformed(ckpt: dict, model_args: dict, cfg: Config):
         return f"hellaswag_step {ckpt['hellaswag_step']!r} is not a whole number"
     if not isinstance(ckpt.get("log", ""), str):
         return f"log {ckpt['log']!r:.60} is not metrics.jsonl's text"
-    scaler, keys = ckpt["scaler"], {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
-    scaler_ok = scaler == {} or isinstance(scaler, dict) and set(scaler) == keys and \
-        all(number(v) and v >= 0 for v in scaler.values()) and scaler["scale"]
+    s, keys = ckpt["scaler"], {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+    scaler_ok = s == {} or isinstance(s, dict) and set(s) == keys and all(map(number, s.values())) and \
+        type(s["growth_interval"]) is type(s["_growth_tracker"]) is int and 0 < s["scale"] < float("inf") and \
+        0 < s["backoff_factor"] < 1 < s["growth_factor"] and s["growth_interval"] >= 1 and s["_growth_tracker"] >= 0
     if not number(ckpt["best_val_loss"]) or not scaler_ok:
-        return f"best_val_loss {ckpt['best_val_loss']!r} or the scaler's state {scaler!r} is not one"
+        return f"best_val_loss {ckpt['best_val_loss']!r} or the scaler's state {s!r} is not one (GradScaler's)"
     if not (isinstance(loader, dict) and all(type(loader.get(k)) is int for k in ("epoch", "position"))
             and loader["epoch"] >= -1 and loader["position"] >= 0 and loader["position"] % cfg.global_batch_size == 0):
         return (f"loader {loader!r} is not an epoch (-1 before the first) and a position that is a multiple "
@@ -323,8 +324,7 @@ def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
     try:
         return read_first(paths, use, world.is_master)
     except UnreadableCheckpoint as e:  # the last there: what to do (a best one may read)
-        raise UnreadableCheckpoint(f"{e}: give --resume=PATH of one that reads (best.pt or best.dcp, say), or "
-                                   f"--resume=never to start afresh") from None
+        raise UnreadableCheckpoint(f"{e}: give --resume=PATH of one that reads (best?), or --resume=never") from None
 
 
 def newest_step(paths: list) -> int:

@@ -111,11 +111,10 @@ def full_state(raw_model, optimizer) -> tuple:
     shards are gathered to rank 0's CPU memory (the other ranks get empty dicts)."""
     if not is_fsdp(raw_model):
         return raw_model.state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(raw_model, options=options)
-    optim_sd = get_optimizer_state_dict(raw_model, optimizer, options=options)
+    optim_sd = optimizer_state(raw_model, optimizer, options=options)
     if not model_sd:
         return {}, {}
     model_sd["lm_head.weight"] = model_sd["transformer.wte.weight"]  # tied, as state_dict() has it
@@ -160,11 +159,23 @@ def sharded_state(raw_model, optimizer) -> tuple:
     """({"model": ..., "optimizer": ...} of this rank's tensors, DTensor shards under FSDP, the
     optimizer's param_groups): what a sharded checkpoint holds, and, filled by DCP, what a resume
     loads. Parameters keyed by name; the tied lm_head.weight is kept once, as wte's."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     model_sd = get_model_state_dict(raw_model)
     model_sd.pop("lm_head.weight", None)
-    optim_sd = get_optimizer_state_dict(raw_model, optimizer)  # creates AdamW's moments if not yet there
+    optim_sd = optimizer_state(raw_model, optimizer)  # creates AdamW's moments if not yet there
     return {"model": model_sd, "optimizer": optim_sd["state"]}, optim_sd["param_groups"]
+
+
+def optimizer_state(raw_model, optimizer, **options) -> dict:
+    """get_optimizer_state_dict. A fresh optimizer (float16's skipped steps leave FSDP's unfused AdamW none)
+    it steps with lr 0 to make the moments: that step is not counted, or the first real one would be
+    bias-corrected as the second (and a run that saved there would differ from one that did not)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    fresh = not optimizer.state
+    optim_sd = get_optimizer_state_dict(raw_model, optimizer, **options)
+    for state in [*optimizer.state.values(), *optim_sd.get("state", {}).values()] if fresh else []:
+        state["step"] = torch.zeros_like(state["step"])
+    return optim_sd
 
 
 def load_sharded_state(raw_model, optimizer, tensors: dict, param_groups: list):

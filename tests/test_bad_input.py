@@ -248,6 +248,11 @@ SCALER = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_inter
     ({"scaler": {"scale": "x"}}, "the scaler's state {'scale': 'x'} is not one"),  # float16: once a traceback
     ({"scaler": {**SCALER, "scale": 0.0}}, "the scaler's state"),  # a float16 run would stall: no step is taken
     ({"scaler": {**SCALER, "growth_interval": -1}}, "the scaler's state"),
+    ({"scaler": {**SCALER, "scale": float("inf")}}, "the scaler's state"),  # every step skipped, exit 0
+    ({"scaler": {**SCALER, "growth_interval": 2000.5}}, "the scaler's state"),  # a traceback in its update
+    ({"scaler": {**SCALER, "backoff_factor": 0.0}}, "the scaler's state"),
+    ({"scaler": {**SCALER, "growth_factor": 1.0}}, "the scaler's state"),
+    ({"scaler": {**SCALER, "_growth_tracker": -1}}, "is not one (GradScaler's)"),
     ({"hellaswag_step": 2.5}, "hellaswag_step 2.5 is not a whole number"),
     ({"log": [{"step": 0}]}, "log [{'step': 0}] is not metrics.jsonl's text"),  # would be written as the log
     ("fifo", "it is not a file"),  # once a hang

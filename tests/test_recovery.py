@@ -122,8 +122,8 @@ def test_a_signal_the_main_thread_cannot_take_ends_the_process_after_a_grace(sig
     wait = ("libc.pthread_mutex_lock(mutex)" if held else "time.sleep(60)")  # (the mutex is locked already)
     code = (f"import ctypes, sys, time\nsys.path.insert(0, {str(REPO)!r})\nfrom errors import signals_unwind\n"
             f"libc, mutex = ctypes.CDLL(None), ctypes.create_string_buffer(64)\nlibc.pthread_mutex_lock(mutex)\n"
-            f"with signals_unwind(grace=1):\n    print('ready', flush=True)\n    try:\n        {wait}\n"
-            f"    finally:\n        time.sleep(2)  # longer than the grace\n        print('cleaned up', flush=True)\n")
+            f"with signals_unwind(grace=2):\n    print('ready', flush=True)\n    try:\n        {wait}\n"
+            f"    finally:\n        time.sleep(3)  # longer than the grace\n        print('cleaned up', flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout.readline() == "ready\n"
     proc.send_signal(signum)
