@@ -184,8 +184,7 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
     ckpt.pop("rng", None)  # older files' RNG states: dropout's masks now derive from the step (train.py)
     missing = [k for k in REQUIRED if k not in ckpt]
     if missing or not isinstance(ckpt["model_args"], dict) or not isinstance(ckpt["config"], dict):
-        raise ConfigError(f"{path} lacks {missing or 'a valid model_args/config'}: it was not "
-                          f"written by this train.py")
+        raise ConfigError(f"{path} lacks {missing or 'a valid model_args/config'}: it was not written by this train.py")
     if ckpt["model_args"].get("vocab_size") != model_args["vocab_size"]:
         raise ConfigError(f"{path} was trained on a vocabulary of {ckpt['model_args'].get('vocab_size')} tokens, "
                           f"but the dataset now has {model_args['vocab_size']} (its meta.json): resume with the data "
@@ -323,8 +322,9 @@ def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
         agree_or_raise(newer_than_rank0(cfg, world, on_rank0(lambda: newest_step(paths), world)), world)
     try:
         return read_first(paths, use, world.is_master)
-    except UnreadableCheckpoint as e:  # the last there: what to do (a best one may read)
-        raise UnreadableCheckpoint(f"{e}: give --resume=PATH of one that reads (best?), or --resume=never") from None
+    except UnreadableCheckpoint as e:  # none there reads: what to do (init_from=resume cannot start afresh)
+        raise UnreadableCheckpoint(f"{e}: give --resume=PATH of one that reads{' (best?)' * (cfg.resume == 'auto')}, "
+                                   f"or --resume=never{' --init_from=scratch' * (cfg.init_from == 'resume')}") from None
 
 
 def newest_step(paths: list) -> int:

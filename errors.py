@@ -140,6 +140,7 @@ def signals_unwind(grace: float = 2.0, unwound: float = 30.0):
         raise SystemExit(128 + signum)
 
     def watch(read):  # the signals' numbers, as they come (set_wakeup_fd), until the pipe closes
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # (taken here, they left the main thread asleep)
         while data := os.read(read, 64):
             for signum in (s for s in signals if s in data and signal.getsignal(s) is unwind):
                 if not taken.wait(grace) or not left.wait(unwound):

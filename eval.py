@@ -24,7 +24,7 @@ import pretrained
 from collectives import agree_or_raise, collective_failures_explained, differs_from_rank0, process_group
 from config import Config, validate
 from errors import ArgumentParser, ConfigError, RunError, reported, signals_unwind
-from data.dataset import contents
+from data.dataset import text_sha256
 from evals import hellaswag
 from loader import dataset_dir, eval_starts, read_dataset, token_splits
 from evals.loss import val_loss
@@ -63,7 +63,7 @@ def check(args):
 
 
 def val_split(args, model, vocab: dict) -> tuple:
-    """(tokens, window starts, its contents' digest) of --dataset's val split, checked against the model's vocabulary."""
+    """(tokens, window starts, its text's sha256) of --dataset's val split, checked against the model's vocabulary."""
     cfg = validate(Config(dataset=args.dataset, data_dir=args.data_dir, block_size=model.config.block_size))
     meta = read_dataset(cfg, ("val",))  # (train.bin is no concern of an evaluation)
     if any(meta.get(k) != vocab.get(k) for k in ("vocab_size", "tokenizer", "chars")):  # (or other characters)
@@ -72,7 +72,7 @@ def val_split(args, model, vocab: dict) -> tuple:
         raise ConfigError(f"{dataset_dir(cfg)} has another vocabulary ({meta.get('tokenizer')} of {meta['vocab_size']} "
                           f"tokens) than the model ({models}): give a dataset of the model's tokenizer")
     tokens = token_splits(cfg, meta, ("val",))["val"]
-    return tokens, eval_starts(tokens, cfg.block_size, args.val_windows), contents(meta)
+    return tokens, eval_starts(tokens, cfg.block_size, args.val_windows), text_sha256(meta)
 
 
 def main(argv=None):

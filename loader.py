@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from config import REPO, Config
-from data.dataset import Shard, check_token_files, contents, has_tokens, load_meta, other_source, split_shards
+from data.dataset import Shard, check_token_files, has_tokens, load_meta, other_source, split_shards, text_sha256
 from errors import BadTokenId, ConfigError, out_of_memory
 from collectives import agree_or_raise, differs_from_rank0
 
@@ -240,6 +240,6 @@ class Dataset:
                 error = str(e)
         agree_or_raise(error, world, "the dataset check failed")
         same = {k: self.meta.get(k) for k in ("vocab_size", "tokenizer", "chars", "train_tokens", "val_tokens")}
-        same["contents"] = contents(self.meta)  # (the same sizes of another text, or the same text's shuffle)
+        same["text_sha256"] = text_sha256(self.meta)  # (the same sizes of another text: a shuffle of its lines)
         agree_or_raise(differs_from_rank0(same, world, what="dataset (each host's data_dir)"), world)
         return self.meta

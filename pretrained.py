@@ -114,10 +114,10 @@ def is_model_folder(folder: Path) -> bool:
 
 
 def near_gpt2_name(name: str) -> str:
-    """": did you mean 'gpt2'?" for a name near a released one (gpt2-small, the hub's openai-community/gpt2), or ""."""
-    bare = name.lower().removeprefix("openai-community/")  # (gpt2-XL: it was 'gpt2')
-    close = [] if "/" in bare else difflib.get_close_matches(bare.replace("-small", ""), list(RELEASED), n=1)
-    return f": did you mean '{close[0]}'?" if close else ""  # (-small: not gpt2-xl, difflib's)
+    """": did you mean 'gpt2'?" for a name near a known one (gpt2-small, the hub's openai-community/gpt2), or ""."""
+    bare = name.lower().removeprefix("openai-community/").replace("-small", "")  # (gpt2-XL, gpt2-small: 'gpt2')
+    close = [] if "/" in bare else difflib.get_close_matches(bare, ["scratch", "resume", *RELEASED], n=1)
+    return f": did you mean '{close[0]}'?" if close and close[0] != name else ""  # (-small: not -xl, difflib's)
 
 
 @functools.lru_cache(maxsize=None)  # model_args() and load_state() both ask: look (or download) once

@@ -216,12 +216,11 @@ def other_source(meta: dict, input_path: str):
         f"made from {made}, not from prepare_input {input_path}"
 
 
-def contents(meta: dict) -> str:
-    """A digest of what a dataset holds (its source text's sha256 and its shards' names, sizes and
-    sha256s, as meta.json lists them), the same on every host that prepared the same corpus."""
+def text_sha256(meta: dict):
+    """The sha256 of the text a train.bin/val.bin dataset was made from, the same on every host that
+    prepared it from that text; else None (shards: a host may hold them without their meta.json)."""
     source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
-    both = json.dumps([source.get("sha256"), meta.get("shards")], sort_keys=True)
-    return hashlib.sha256(both.encode()).hexdigest()[:16]
+    return source.get("sha256")
 
 
 def split_shards(data_dir, meta: dict, splits=("train", "val")) -> dict:

@@ -724,7 +724,7 @@ def test_ranks_started_with_different_configs_all_stop_before_training(char_data
     ranks_say(_train_rank_recording_config_errors, 2, tmp_path, tiny_args(char_data, tmp_path / "out", dist_timeout=60),
               False, [f"--data_dir={other}"])
     line = (tmp_path / "rank1.txt").read_text()
-    assert line.startswith("rank 1 was started with chars=") and ", contents='" in line and line.endswith(
+    assert line.startswith("rank 1 was started with chars=") and ", text_sha256='" in line and line.endswith(
         "give every rank the same dataset (each host's data_dir)") and (tmp_path / "rank0.txt").read_text() == line
 
 

@@ -166,6 +166,17 @@ def test_a_last_pt_linked_to_nothing_is_reported_not_skipped(trained_copy, char_
         capsys.readouterr().err
 
 
+def test_when_no_checkpoint_reads_the_line_says_what_to_do(trained_copy, char_data):
+    """(it named the damage only; and --resume=never, which it then suggested, init_from=resume refuses)"""
+    out = trained_copy
+    for name in ("last.pt", "previous.pt"):
+        (out / name).write_bytes(b"not a checkpoint")
+    for init_from, afresh in (("scratch", "--resume=never"), ("resume", "--resume=never --init_from=scratch")):
+        with pytest.raises(ConfigError, match=rf"^cannot read checkpoint {out / 'previous.pt'}: it is truncated .*: "
+                                              rf"give --resume=PATH of one that reads \(best\?\), or {afresh}$"):
+            train_here(char_data, out, max_iters=10, resume="auto", init_from=init_from)
+
+
 def test_a_resume_at_or_past_max_iters_says_nothing_is_left_to_train(trained_copy, char_data, capsys):
     """It exited 0 with no word after "resuming from"."""
     before = (trained_copy / "last.pt").read_bytes()

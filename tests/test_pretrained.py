@@ -380,7 +380,7 @@ def test_a_mistyped_name_gets_a_suggestion():
         pretrained.locate("gpt2-meduim")
     with pytest.raises(ConfigError, match="did you mean 'gpt2'\\?$"):  # the 124M model (difflib: gpt2-xl)
         pretrained.locate("gpt2-small")
-    for given, near in (("gpt2-XL", "gpt2-xl"), ("GPT2", "gpt2")):  # (once 'gpt2', and no hint)
+    for given, near in (("gpt2-XL", "gpt2-xl"), ("GPT2", "gpt2"), ("scratc", "scratch"), ("Resume", "resume")):
         with pytest.raises(ConfigError, match=f"did you mean '{near}'\\?$"):
             pretrained.locate(given)
 

@@ -208,7 +208,7 @@ def test_a_bad_sharded_checkpoint_is_one_line_and_auto_falls_back_to_previous(
     error = ran.stderr.strip().splitlines()[-1]
     assert ran.returncode == 2 and error.startswith(f"error: cannot read checkpoint {out / 'last.dcp'}: "), ran.stderr
     assert message in error and "Traceback" not in ran.stderr
-    assert error.endswith(": give --resume=PATH of one that reads (best?), or --resume=never")  # (it said what was
+    assert error.endswith(": give --resume=PATH of one that reads, or --resume=never")  # (it said what was
     # wrong, not what to do)
     assert {p: p.read_bytes() for p in (out / "last.dcp").iterdir()} == files  # nothing overwritten
     ran = script("train.py", *tiny_args(char_data, out, resume="auto", checkpoint_format="sharded",
