@@ -117,20 +117,20 @@ def interrupted(signum: int) -> str:
 
 
 @contextmanager
-def signals_unwind(grace: float = 2.0, unwound: float = 30.0):
+def signals_unwind(grace: float = 2.0):
     """Ctrl-C and SIGTERM (a scheduler, `timeout`) unwind, each in one line, status 130 or 143 (a shard
     prepare's pool starts no more work and the shard being written goes; train.py leaves no out_dir holding
     only run.lock). Python runs a handler only once the main thread is back from C++, and a rank can wait
     there long (the store, for peers that have not started; a collective, for a peer that prepares data):
     if it has not run within `grace` seconds, a watchdog ends the process at once, as SIGTERM's default
-    does; and so if it ran where its exception was lost (a __del__ or a weakref callback: "Exception
-    ignored in ...") and the process went on for `unwound` seconds. It stands aside while another handler
-    holds the signal (train.py's StopSignal, which saves first). Only the main thread can set a handler;
-    elsewhere the signals stay as they were."""
+    does; and so at once if it ran where Python drops its exception (a __del__ or a weakref callback,
+    torch's many: "Exception ignored in ...", and the process went on). It stands aside while another
+    handler holds the signal (train.py's StopSignal, which saves first). Only the main thread can set a
+    handler; elsewhere the signals stay as they were."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    taken, left, signals = threading.Event(), threading.Event(), (signal.SIGINT, signal.SIGTERM)
+    taken, signals, hook = threading.Event(), (signal.SIGINT, signal.SIGTERM), sys.unraisablehook
 
     def unwind(signum, frame):
         taken.set()
@@ -140,22 +140,29 @@ def signals_unwind(grace: float = 2.0, unwound: float = 30.0):
         raise SystemExit(128 + signum)
 
     def watch(read):  # the signals' numbers, as they come (set_wakeup_fd), until the pipe closes
-        signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # (taken here, they left the main thread asleep)
         while data := os.read(read, 64):
             for signum in (s for s in signals if s in data and signal.getsignal(s) is unwind):
-                if not taken.wait(grace) or not left.wait(unwound):
-                    if not (taken.is_set() and signum == signal.SIGTERM):  # (else its handler said it)
+                if not taken.wait(grace):
+                    if not (taken.is_set() and signum == signal.SIGTERM):  # (its handler came late, and said it)
                         say(f"error: {interrupted(signum)}")
                     os._exit(128 + signum)
         os.close(read)
+
+    def dropped(raised):  # sys.unraisablehook: unwind's exception, lost, ends the process as the watchdog does
+        if taken.is_set() and isinstance(raised.exc_value, (KeyboardInterrupt, SystemExit)):
+            if isinstance(raised.exc_value, KeyboardInterrupt):  # (SIGTERM's handler said its line)
+                say(f"error: {interrupted(signal.SIGINT)}")
+            os._exit(130 if isinstance(raised.exc_value, KeyboardInterrupt) else raised.exc_value.code)
+        hook(raised)
     read, write = os.pipe()
     os.set_blocking(write, False)
     previous, previous_fd = {s: signal.signal(s, unwind) for s in signals}, signal.set_wakeup_fd(write)
     threading.Thread(target=watch, args=(read,), daemon=True).start()
+    sys.unraisablehook = dropped
     try:
         yield
     finally:
-        left.set()
+        sys.unraisablehook = hook
         signal.set_wakeup_fd(previous_fd)
         for s, handler in previous.items():  # (None: a handler not set from Python)
             signal.signal(s, handler or signal.SIG_DFL)

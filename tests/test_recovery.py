@@ -122,8 +122,8 @@ def test_a_signal_the_main_thread_cannot_take_ends_the_process_after_a_grace(sig
     wait = ("libc.pthread_mutex_lock(mutex)" if held else "time.sleep(60)")  # (the mutex is locked already)
     code = (f"import ctypes, sys, time\nsys.path.insert(0, {str(REPO)!r})\nfrom errors import signals_unwind\n"
             f"libc, mutex = ctypes.CDLL(None), ctypes.create_string_buffer(64)\nlibc.pthread_mutex_lock(mutex)\n"
-            f"with signals_unwind(grace=2):\n    print('ready', flush=True)\n    try:\n        {wait}\n"
-            f"    finally:\n        time.sleep(3)  # longer than the grace\n        print('cleaned up', flush=True)\n")
+            f"with signals_unwind(grace=1):\n    try:\n        print('ready', flush=True)\n        {wait}\n"
+            f"    finally:\n        time.sleep(2)  # longer than the grace\n        print('cleaned up', flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout.readline() == "ready\n"
     proc.send_signal(signum)
@@ -135,16 +135,13 @@ def test_a_signal_the_main_thread_cannot_take_ends_the_process_after_a_grace(sig
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_whose_exception_was_lost_still_ends_the_process(signum):
     """A handler that runs in a __del__ (or a weakref callback: torch has many) raises into nothing:
-    Python prints "Exception ignored" and goes on. The process went on training, and exited 0."""
+    Python printed "Exception ignored" and a traceback, and went on (training, to exit 0). It ends now."""
     code = (f"import os, signal, sys, time\nsys.path.insert(0, {str(REPO)!r})\nfrom errors import signals_unwind\n"
             f"class Dying:\n    def __del__(self):\n        os.kill(os.getpid(), {int(signum)})\n"
             f"        time.sleep(0.5)  # the handler runs here\n"
-            f"with signals_unwind(grace=1, unwound=1):\n    Dying()\n    print('went on', flush=True)\n"
-            f"    time.sleep(60)\n")
+            f"with signals_unwind():\n    Dying()\n    print('went on', flush=True)\n    time.sleep(60)\n")
     proc = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=30)
-    assert (proc.returncode, proc.stdout) == (128 + signum, "went on\n"), proc.stderr
-    assert "Exception ignored" in proc.stderr and f"error: {interrupted(signum)}\n" in proc.stderr  # (Python's
-    assert proc.stderr.count("error:") == 1, proc.stderr  # lines, then the watchdog's; SIGTERM's handler said it)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (128 + signum, "", f"error: {interrupted(signum)}\n")
 
 
 def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(char_data, tmp_path, uninterrupted):
