@@ -113,10 +113,14 @@ def parts(path: Path):
     except Exception as e:
         raise unreadable(f"its metadata is damaged ({type(e).__name__}: {first_line(e)})") from None
     for name, end in sorted(ends.items()):
-        if not (path / name).is_file():
+        try:
+            size = (path / name).stat().st_size if (path / name).is_file() else None
+        except OSError:  # (gone since: a run's save replaced the folder)
+            size = None
+        if size is None:
             raise unreadable(f"{name} (one rank's part) is missing")
-        if (path / name).stat().st_size < end:
-            raise unreadable(f"{name} is cut short ({(path / name).stat().st_size} of {end} bytes)")
+        if size < end:
+            raise unreadable(f"{name} is cut short ({size} of {end} bytes)")
     return run_state, metadata
 
 
@@ -136,7 +140,31 @@ def load(path: Path, state: dict, world=None):
 
 def read(path: Path, tensors: bool) -> dict:
     """A sharded checkpoint as the file format's dict (tensors=False: the plain values only,
-    model/optimizer None and sharded=True, for a resume where every rank loads its shards)."""
+    model/optimizer None and sharded=True, for a resume where every rank loads its shards). A run
+    that saves meanwhile renames another folder to `path` (sample.py, say, reads a live run's last.dcp):
+    read again, or its run.json and tensors would come from two steps, or one would be "missing"."""
+    for attempt in range(3):
+        before = _identity(path)
+        try:
+            result = _read(path, tensors)
+        except UnreadableCheckpoint:
+            if attempt == 2 or _identity(path) == before:
+                raise
+            continue
+        if _identity(path) == before:
+            return result
+    raise UnreadableCheckpoint(f"cannot read checkpoint {path}: a run replaced it each time it was read")
+
+
+def _identity(path: Path):
+    """Which folder `path` names now (its device and inode), or None."""
+    try:
+        return os.stat(path).st_dev, os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def _read(path: Path, tensors: bool) -> dict:
     state, metadata = parts(path)
     if not tensors:
         return {**state, "model": None, "optimizer": None, "sharded": True}

@@ -412,3 +412,21 @@ def test_a_save_before_the_first_step_counts_no_adamw_step():
         model(x, x)[1].backward()
         optimizer.step()
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+
+
+def test_a_read_while_a_run_replaces_the_folder_reads_one_whole_checkpoint(sharded, tmp_path, monkeypatch):
+    """(convert_checkpoint.py or sample.py reading a live run's last.dcp as a save committed: run.json of one
+    step and the tensors of the next, which a resume then took; or a false "missing" part)"""
+    import sharded as sharded_py
+    out = Path(shutil.copytree(sharded, tmp_path / "out"))
+    whole = {k: sharded_py.read(out / k, tensors=True) for k in ("last.dcp", "previous.dcp")}
+    load, commits = sharded_py.load, []
+
+    def committed_meanwhile(path, state, world=None):  # a save's rotation, between run.json and the tensors
+        if not commits:
+            commits.append(os.replace(out / "last.dcp", out / "old.dcp") or os.replace(out / "previous.dcp", path))
+        return load(path, state, world)
+    monkeypatch.setattr(sharded_py, "load", committed_meanwhile)
+    read = sharded_py.read(out / "last.dcp", tensors=True)
+    assert commits and read["step"] == whole["previous.dcp"]["step"] == 8
+    assert all(torch.equal(read["model"][k], w) for k, w in whole["previous.dcp"]["model"].items())
