@@ -14,8 +14,10 @@ loads it and computes the logits this repo computes. A character-level model is 
 bias=False gets zero biases, which compute the same. Bad input: one line on stderr, exit 2.
 """
 
+import fcntl
 import json
 import os
+import shutil
 import sys
 import tempfile
 from contextlib import contextmanager, suppress
@@ -70,16 +72,24 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
 @contextmanager
 def made_for(folder: Path):
     """Make folder (and its parents) for the export, and remove those it made, while empty, if the export
-    fails (one made meanwhile by another export into it is not empty, and stays)."""
+    fails (one made meanwhile by another export into it is not empty, and stays). One export writes into
+    it at a time (an flock on it), and removes the temporary folders a killed one left (a model's size each)."""
     first = next((p for p in reversed((folder, *folder.parents)) if not p.exists()), None)
     folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
     try:
+        with suppress(OSError):  # (a file system without flock: none removed, another export may own them)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            for stale in folder.glob(".export-*"):
+                shutil.rmtree(stale, ignore_errors=True)
         yield
     except BaseException:
         for made in [p for p in (folder, *folder.parents) if first is not None and p.is_relative_to(first)]:
             with suppress(OSError):  # (not empty: it stays, and so do the folders above it)
                 made.rmdir()
         raise
+    finally:
+        os.close(fd)
 
 
 def main(argv=None):
