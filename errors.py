@@ -117,20 +117,22 @@ def interrupted(signum: int) -> str:
 
 
 @contextmanager
-def signals_unwind(grace: float = 2.0):
+def signals_unwind(grace: float = 2.0, unwound: float = 30.0):
     """Ctrl-C and SIGTERM (a scheduler, `timeout`) unwind, each in one line, status 130 or 143 (a shard
     prepare's pool starts no more work and the shard being written goes; train.py leaves no out_dir holding
     only run.lock). Python runs a handler only once the main thread is back from C++, and a rank can wait
     there long (the store, for peers that have not started; a collective, for a peer that prepares data):
     if it has not run within `grace` seconds, a watchdog ends the process at once, as SIGTERM's default
     does; and so at once if it ran where Python drops its exception (a __del__ or a weakref callback,
-    torch's many: "Exception ignored in ...", and the process went on). It stands aside while another
-    handler holds the signal (train.py's StopSignal, which saves first). Only the main thread can set a
-    handler; elsewhere the signals stay as they were."""
+    torch's many: "Exception ignored in ...", and the process went on), or after `unwound` seconds if
+    code caught it (`except BaseException`) and went on. It stands aside while another handler holds the
+    signal (train.py's StopSignal, which saves first). Only the main thread can set a handler; elsewhere
+    the signals stay as they were."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    taken, signals, hook = threading.Event(), (signal.SIGINT, signal.SIGTERM), sys.unraisablehook
+    taken, left, signals, hook = threading.Event(), threading.Event(), (signal.SIGINT, signal.SIGTERM), \
+        sys.unraisablehook
 
     def unwind(signum, frame):
         taken.set()
@@ -142,8 +144,8 @@ def signals_unwind(grace: float = 2.0):
     def watch(read):  # the signals' numbers, as they come (set_wakeup_fd), until the pipe closes
         while data := os.read(read, 64):
             for signum in (s for s in signals if s in data and signal.getsignal(s) is unwind):
-                if not taken.wait(grace):
-                    if not (taken.is_set() and signum == signal.SIGTERM):  # (its handler came late, and said it)
+                if not taken.wait(grace) or not left.wait(unwound):
+                    if not (taken.is_set() and signum == signal.SIGTERM):  # (its handler said it)
                         say(f"error: {interrupted(signum)}")
                     os._exit(128 + signum)
         os.close(read)
@@ -162,6 +164,7 @@ def signals_unwind(grace: float = 2.0):
     try:
         yield
     finally:
+        left.set()
         sys.unraisablehook = hook
         signal.set_wakeup_fd(previous_fd)
         for s, handler in previous.items():  # (None: a handler not set from Python)

@@ -117,7 +117,7 @@ def near_gpt2_name(name: str) -> str:
     """": did you mean 'gpt2'?" for a name near a known one (gpt2-small, the hub's openai-community/gpt2), or ""."""
     bare = name.lower().removeprefix("openai-community/").replace("-small", "")  # (gpt2-XL, gpt2-small: 'gpt2')
     close = [] if "/" in bare else difflib.get_close_matches(bare, ["scratch", "resume", *RELEASED], n=1)
-    return f": did you mean '{close[0]}'?" if close and close[0] != name else ""  # (-small: not -xl, difflib's)
+    return close and close[0] != name and f": did you mean '{close[0]}'{' (train.py)' * (close[0] == 'scratch')}?" or ""
 
 
 @functools.lru_cache(maxsize=None)  # model_args() and load_state() both ask: look (or download) once
@@ -239,8 +239,7 @@ def resumed_shape(cfg):
 
 def load_state(init_from: str, model: GPT) -> dict:
     """`model`'s state dict from GPT-2's weights, every tensor name and shape checked."""
-    folder = locate(init_from)
-    path = weight_file(folder)
+    path = weight_file(folder := locate(init_from))
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file

@@ -131,8 +131,10 @@ def load(path: Path, state: dict, world=None):
     alone = world is None or world.size == 1
     try:
         dcp.load(state, storage_reader=_reader(path), process_group=None if alone else world.group, no_dist=alone)
-    except (Exception, dcp.api.CheckpointException) as e:  # the latter is a BaseException; Ctrl-C goes on
+    except (Exception, dcp.api.CheckpointException) as e:  # the latter is a BaseException
         failures = [exc for exc, _ in getattr(e, "failures", {}).values()] or [e]  # (each rank's, DCP's)
+        if stop := next((x for x in failures if isinstance(x, (KeyboardInterrupt, SystemExit))), None):
+            raise stop from None  # Ctrl-C or a SIGTERM's unwinding (errors.signals_unwind), which DCP packed
         if not alone and (lost := next((x for x in failures if isinstance(x, RuntimeError) and lost_peer(x)), None)):
             raise lost from None  # not the checkpoint's fault: CollectiveFailed (exit 1, relaunch)
         raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {_reason(e)}") from None

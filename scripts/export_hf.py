@@ -56,17 +56,18 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
               "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
               "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
               "tie_word_embeddings": True, "bos_token_id": eot, "eos_token_id": eot}
-    with made_for(folder), tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as tmp:
-        weights = save(pretrained.gpt2_to_hf(model), metadata={"format": "pt"})
-        atomic_write_bytes(Path(tmp, "model.safetensors"), weights)
-        atomic_write_bytes(Path(tmp, "config.json"), (json.dumps(config, indent=1) + "\n").encode())
-        if gpt2_tokenizer:
-            write_gpt2_tokenizer_files(tmp, cfg.block_size)
-        for made in sorted(Path(tmp).iterdir()):
-            os.replace(made, folder / made.name)
-    for name in stale:  # an earlier export's or download's files would describe another model (or tokenizer)
-        (folder / name).unlink(missing_ok=True)
-    fsync_dir(folder)
+    with made_for(folder):  # (its lock held throughout: another export's files are not removed by this one)
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as tmp:
+            weights = save(pretrained.gpt2_to_hf(model), metadata={"format": "pt"})
+            atomic_write_bytes(Path(tmp, "model.safetensors"), weights)
+            atomic_write_bytes(Path(tmp, "config.json"), (json.dumps(config, indent=1) + "\n").encode())
+            if gpt2_tokenizer:
+                write_gpt2_tokenizer_files(tmp, cfg.block_size)
+            for made in sorted(Path(tmp).iterdir()):
+                os.replace(made, folder / made.name)
+        for name in stale:  # an earlier export's or download's files would describe another model (or tokenizer)
+            (folder / name).unlink(missing_ok=True)
+        fsync_dir(folder)
 
 
 @contextmanager

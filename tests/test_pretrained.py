@@ -380,8 +380,9 @@ def test_a_mistyped_name_gets_a_suggestion():
         pretrained.locate("gpt2-meduim")
     with pytest.raises(ConfigError, match="did you mean 'gpt2'\\?$"):  # the 124M model (difflib: gpt2-xl)
         pretrained.locate("gpt2-small")
-    for given, near in (("gpt2-XL", "gpt2-xl"), ("GPT2", "gpt2"), ("scratc", "scratch"), ("Resume", "resume")):
-        with pytest.raises(ConfigError, match=f"did you mean '{near}'\\?$"):
+    for given, near in (("gpt2-XL", "gpt2-xl'"), ("GPT2", "gpt2'"), ("Resume", "resume'"),
+                        ("scratc", "scratch' \\(train.py\\)")):  # (sample.py and eval.py read one)
+        with pytest.raises(ConfigError, match=f"did you mean '{near}\\?$"):
             pretrained.locate(given)
 
 
@@ -484,6 +485,27 @@ def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data,
     # nor does train.py start from it (it said the folder "reads GPT-2 BPE tokens (68 of them)")
     fails_with(["train.py", *tiny_args(char_data, tmp_path / "again", init_from=str(tmp_path / "hf"))],
                f"has a vocabulary of {hf.config.vocab_size} tokens, not GPT-2's BPE (50257): init_from takes GPT-2 BPE")
+
+
+def test_an_export_holds_its_folders_lock_until_its_last_file(tmp_path, monkeypatch):
+    """(it removed an earlier export's stale files after letting go: a character model's export, so, deleted the
+    tokenizer files another export into the folder, of a GPT-2 BPE model, had just moved in)"""
+    import fcntl
+    import export_hf
+    held = []
+
+    def fsync_dir(folder):  # the export's last step: may another export lock the folder now?
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        finally:
+            os.close(fd)
+    monkeypatch.setattr(export_hf, "fsync_dir", fsync_dir)
+    export_hf.export(GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=16)), tmp_path / "hf", False)
+    assert held == [True]
 
 
 def test_export_bad_input_is_one_line(tmp_path, fails_with, trained):

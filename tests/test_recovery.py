@@ -144,6 +144,19 @@ def test_a_signal_whose_exception_was_lost_still_ends_the_process(signum):
     assert (proc.returncode, proc.stdout, proc.stderr) == (128 + signum, "", f"error: {interrupted(signum)}\n")
 
 
+def test_a_signal_whose_exception_was_caught_still_ends_the_process():
+    """(DCP's load caught every rank's exception, Ctrl-C's and SIGTERM's too: the resume went on from another
+    checkpoint, to exit 0; a library that does so elsewhere is not stopped by the process's own code)"""
+    code = (f"import sys, time\nsys.path.insert(0, {str(REPO)!r})\nfrom errors import signals_unwind\n"
+            f"with signals_unwind(unwound=1):\n    try:\n        print('ready', flush=True)\n        time.sleep(60)\n"
+            f"    except BaseException:\n        pass\n    print('went on', flush=True)\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert (proc.returncode, out, err) == (128 + signal.SIGTERM, "went on\n", "error: interrupted (SIGTERM)\n")
+
+
 def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(char_data, tmp_path, uninterrupted):
     proc = start(torchrun(recovery_args(char_data, tmp_path, resume="auto"), extra=["--max-restarts=1"]))
     wait_for(lambda: (tmp_path / "last.pt").exists() and logged_step(tmp_path) >= 15, proc, what="a checkpoint")

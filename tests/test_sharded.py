@@ -430,3 +430,17 @@ def test_a_read_while_a_run_replaces_the_folder_reads_one_whole_checkpoint(shard
     read = sharded_py.read(out / "last.dcp", tensors=True)
     assert commits and read["step"] == whole["previous.dcp"]["step"] == 8
     assert all(torch.equal(read["model"][k], w) for k, w in whole["previous.dcp"]["model"].items())
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+def test_a_signal_while_a_sharded_checkpoint_is_read_is_not_a_damaged_checkpoint(sharded, monkeypatch, stop):
+    """DCP packs every exception into its CheckpointException, Ctrl-C's and a SIGTERM's SystemExit too: the
+    checkpoint was called unreadable, and the resume (or sample.py) went on with the one before it."""
+    import sharded as sharded_py
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def interrupted(self, *args, **kwargs):  # the signal's handler, run as the tensors are read
+        raise stop()
+    monkeypatch.setattr(FileSystemReader, "read_data", interrupted)
+    with pytest.raises(stop):
+        sharded_py.read(sharded / "last.dcp", tensors=True)
