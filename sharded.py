@@ -161,9 +161,10 @@ def read(path: Path, tensors: bool) -> dict:
 def _identity(path: Path):
     """Which folder `path` names now (its device and inode), or None."""
     try:
-        return os.stat(path).st_dev, os.stat(path).st_ino
+        found = os.stat(path)
     except OSError:
         return None
+    return found.st_dev, found.st_ino
 
 
 def _read(path: Path, tensors: bool) -> dict:

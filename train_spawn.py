@@ -21,8 +21,7 @@ import torch.multiprocessing as mp
 
 import train
 from config import resolve
-from errors import LOST_PEER, SEE_OTHER_RANK, ArgumentParser, ConfigError, reported, signals_unwind
-from errors import interrupted as signal_line
+from errors import LOST_PEER, SEE_OTHER_RANK, ArgumentParser, ConfigError, interrupted, reported, signals_unwind
 from world import World, setup, strip_local_rank
 
 
@@ -33,12 +32,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rank: int, nproc: int, args: list[str], errors: str, interrupted):
+def worker(rank: int, nproc: int, args: list[str], errors: str, ctrl_c):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), ERRORS_TO=errors)  # errors.say writes its line there
     with reported(), signals_unwind():  # both held while a rank imports torch (Ctrl-C printed a traceback)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))  # (blocked by run: inherited)
-        if interrupted.is_set() or not mp.parent_process().is_alive():  # (or killed before mp set a death signal:
+        if ctrl_c.is_set() or not mp.parent_process().is_alive():  # (or killed before mp set a death signal:
             raise KeyboardInterrupt  # an orphan trained on)
     train.cli(args)
 
@@ -74,14 +73,14 @@ def reader_gone() -> bool:
 
 
 def run(nproc: int, args: list, errors: Path):
-    interrupted = mp.get_context("spawn").Event()  # (before the mask below: this starts mp's resource tracker,
+    ctrl_c = mp.get_context("spawn").Event()  # (before the mask below: this starts mp's resource tracker,
     # and starting it unblocks SIGINT and SIGTERM again)
     signals, context, held, sent = (signal.SIGTERM, signal.SIGINT), None, [], set()
 
     def forward(signum, frame):  # SIGTERM (a scheduler) and SIGINT (kill -INT), as torchrun does: each rank stops
         sent.add(signum)
         if signum == signal.SIGINT:  # at a step boundary and saves (a terminal's Ctrl-C reaches them too)
-            interrupted.set()  # (a rank not yet in its worker reads this)
+            ctrl_c.set()  # (a rank not yet in its worker reads this)
         if context is None:  # still spawning: passed on once the ranks exist
             return held.append(signum)
         for p in context.processes:
@@ -91,7 +90,7 @@ def run(nproc: int, args: list, errors: Path):
         signal.signal(sig, forward)
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # inherited: the ranks start with both held (see worker)
     try:
-        context = mp.spawn(worker, args=(nproc, args, str(errors), interrupted), nprocs=nproc, join=False)
+        context = mp.spawn(worker, args=(nproc, args, str(errors), ctrl_c), nprocs=nproc, join=False)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
     for signum in held:
@@ -104,7 +103,7 @@ def run(nproc: int, args: list, errors: Path):
             sys.exit(128 + signal.SIGPIPE)  # the rank that found it may still be exiting, or ended by mp: not 141)
         said = {rank: (errors / str(rank)).read_text("utf-8") for rank in range(nproc) if (errors / str(rank)).exists()}
         said = [line for rank, line in said.items() if rank == e.error_index or signal.SIGTERM in sent or
-                line != f"error: {signal_line(signal.SIGTERM)}"]  # (mp.spawn ends the others so once one failed)
+                line != f"error: {interrupted(signal.SIGTERM)}"]  # (mp.spawn ends the others so once one failed)
         own = [line for line in said if not line.endswith(SEE_OTHER_RANK)]  # (that message is here too)
         causes = [line for line in own if LOST_PEER not in line]  # a rank that lost its peer followed another's
         killed = getattr(e, "exit_code", 0) < 0  # end: not beside the cause (a line, or a signal named below)

@@ -177,9 +177,9 @@ class preparing:
 
 def remove_stale_temporaries(folder: Path) -> list:
     """Delete the temporaries a killed writer left (write_temp's and link_or_copy's .NAME.ID.tmp files,
-    sharded.py's .last/.best.dcp.tmp and .NAME.old.tmp folders, check_shared's .shared.PID.tmp);
-    they never replaced a real file. A user's .notes.tmp stays."""
-    ours = re.compile(r"\..+\.([0-9a-f]{12}|\d+|old)\.tmp|\.(last|best)\.dcp\.tmp")
+    sharded.py's .last/.best.dcp.tmp and .NAME.old.tmp folders, check_shared's .shared.PID.tmp, export_hf's
+    .export.XXXXXXXX.tmp folders); they never replaced a real file. A user's .notes.tmp stays."""
+    ours = re.compile(r"\..+\.([0-9a-f]{12}|\d+|old)\.tmp|\.(last|best)\.dcp\.tmp|\.export\.\w{8}\.tmp")
     stale = sorted(p for p in Path(folder).glob(".*.tmp") if ours.fullmatch(p.name))
     for path in stale:
         remove(path)

@@ -17,7 +17,6 @@ bias=False gets zero biases, which compute the same. Bad input: one line on stde
 import fcntl
 import json
 import os
-import shutil
 import sys
 import tempfile
 from contextlib import contextmanager, suppress
@@ -31,7 +30,7 @@ from safetensors.torch import save  # noqa: E402
 import checkpoint  # noqa: E402
 import pretrained  # noqa: E402
 from data.dataset import GPT2_EOT, has_shards  # noqa: E402
-from data.files import atomic_write_bytes, fsync_dir, read_json  # noqa: E402
+from data.files import atomic_write_bytes, fsync_dir, read_json, remove_stale_temporaries  # noqa: E402
 from data.tokenizers import write_gpt2_tokenizer_files  # noqa: E402
 from errors import ArgumentParser, ConfigError, first_line, reported, write_failure  # noqa: E402
 from model import GPT  # noqa: E402
@@ -57,7 +56,7 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
               "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
               "tie_word_embeddings": True, "bos_token_id": eot, "eos_token_id": eot}
     with made_for(folder):  # (its lock held throughout: another export's files are not removed by this one)
-        with tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as tmp:
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".export.", suffix=".tmp") as tmp:
             weights = save(pretrained.gpt2_to_hf(model), metadata={"format": "pt"})
             atomic_write_bytes(Path(tmp, "model.safetensors"), weights)
             atomic_write_bytes(Path(tmp, "config.json"), (json.dumps(config, indent=1) + "\n").encode())
@@ -81,8 +80,7 @@ def made_for(folder: Path):
     try:
         with suppress(OSError):  # (a file system without flock: none removed, another export may own them)
             fcntl.flock(fd, fcntl.LOCK_EX)
-            for stale in folder.glob(".export-*"):
-                shutil.rmtree(stale, ignore_errors=True)
+            remove_stale_temporaries(folder)
         yield
     except BaseException:
         for made in [p for p in (folder, *folder.parents) if first is not None and p.is_relative_to(first)]:

@@ -468,8 +468,8 @@ def test_export_of_a_character_model_has_no_tokenizer_files(tmp_path, char_data,
     for name in ("vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json", "pytorch_model.bin",
                  "generation_config.json", "added_tokens.json", "special_tokens_map.json"):  # (eos 50256 in it: generate() indexed past the vocabulary)
         (tmp_path / "hf" / name).write_text("{}")
-    (tmp_path / "hf" / ".export-k1ll3d9x").mkdir()  # an export killed with kill -9 left it: a model's size each
-    (tmp_path / "hf" / ".export-k1ll3d9x" / "model.safetensors").write_text("{}")
+    (tmp_path / "hf" / ".export.k1ll3d9x.tmp").mkdir()  # an export killed with kill -9 left it: a model's size each
+    (tmp_path / "hf" / ".export.k1ll3d9x.tmp" / "model.safetensors").write_text("{}")
     exported = script("scripts/export_hf.py", f"--out_dir={out}", "--checkpoint=last", f"--to={tmp_path / 'hf'}")
     assert exported.returncode == 0, exported.stderr
     assert sorted(f.name for f in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
