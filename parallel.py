@@ -64,15 +64,24 @@ def shard(model, world: World, reshard: bool):
     # float32 (what the optimizer steps). autocast still runs the losses and norms in float32.
     mp = MixedPrecisionPolicy(param_dtype=None if world.dtype == torch.float32 else world.dtype,
                               reduce_dtype=torch.float32)
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    for module in (*model.transformer.h, model):
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        module.set_gradient_divide_factor(1.0)  # summed, not averaged: see _summed
+        module.set_force_sum_reduction_for_comms(True)  # (else a PREMUL_SUM op, which gloo lacks)
+
+
+def _summed(_, bucket):
+    """DDP's gradient all-reduce as a sum: each rank's backward already divided its losses by the world's
+    micro-batch count (train.accumulate_gradients), so float16's scaled values, and where they overflow,
+    are a single process's; averaging them here instead would make the grad scaler skip other steps."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda done: done.value()[0])
 
 
 def wrap(model, raw_model, world: World):
     """What trains: DDP around the (compiled) model when ddp has several ranks."""
     if world.size > 1 and not is_fsdp(raw_model):
-        return DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+        model = DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+        model.register_comm_hook(None, _summed)
     return model
 
 

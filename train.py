@@ -65,7 +65,7 @@ def dropout_seed(seed: int, rank: int, step: int) -> int:
     return int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
 
 
-def accumulate_gradients(model, raw_model, loader, accum: int, autocast, scaler, sync: bool = True):
+def accumulate_gradients(model, raw_model, loader, accum: int, autocast, scaler, sync: bool = True, ranks: int = 1):
     """Forward and backward over `accum` micro-batches (sync=False: no all-reduce, for bench.py); the mean loss."""
     step_loss = 0.0
     for micro in range(accum):
@@ -74,8 +74,8 @@ def accumulate_gradients(model, raw_model, loader, accum: int, autocast, scaler,
         with parallel.skip_gradient_sync(model, raw_model, skip=not (sync and micro == accum - 1)):
             with autocast:
                 _, loss = model(x, y)
-            # each loss is one micro-batch's mean: / accum makes the summed gradient the global batch's mean
-            scaler.scale(loss / accum).backward()
+            # a micro-batch's mean loss / (accum x ranks): its gradient, summed over both, is the global mean
+            scaler.scale(loss / (accum * ranks)).backward()
         step_loss += loss.detach() / accum
     return step_loss
 
@@ -86,7 +86,7 @@ def optimizer_step(run: "Run", sync: bool = True):
     if run.cfg.dropout > 0:  # (the only random draws in a step; torch.manual_seed takes 0.1 ms)
         torch.manual_seed(dropout_seed(run.cfg.seed, run.world.rank, run.step))
     step_loss = accumulate_gradients(run.model, run.raw_model, run.loader, run.world.accum, run.autocast,
-                                     run.scaler, sync)
+                                     run.scaler, sync, run.world.size)
     grad_norm = None
     if run.cfg.grad_clip > 0:
         run.scaler.unscale_(run.optimizer)

@@ -14,10 +14,12 @@ move these numbers by 1e-2 or more. The models have no biases: the key bias has 
 true gradient, so Adam turns pure rounding noise there into whole-learning-rate steps.
 """
 
+import math
 import os
 import shutil
 import sys
 from contextlib import nullcontext
+from functools import partialmethod
 from pathlib import Path
 
 import pytest
@@ -28,8 +30,8 @@ import parallel
 import train
 from config import resolve
 from errors import ConfigError
-from harness import (STEPS, args_for, assert_close_runs, ckpt, make_char_dataset, metrics, read_epochs,
-                     record_epochs, run_ranks, run_world, train_log, train_run)
+from harness import (STEPS, args_for, assert_close_runs, ckpt, make_char_dataset, max_diff, metrics,
+                     read_epochs, record_epochs, run_ranks, run_world, train_log, train_run)
 
 
 @pytest.fixture(scope="module")
@@ -60,25 +62,44 @@ def test_every_rank_reports_the_single_process_val_loss(world_runs, world_size):
     assert [v for _, v in evals(world_size)] == pytest.approx([v for _, v in evals(1)], rel=1e-6)
 
 
+def _high_scale(rank=0):
+    """float16's grad scaler starts at 2**24: its first steps overflow, each halving the scale, until one does not."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    for cls in (torch.amp.GradScaler, ShardedGradScaler):
+        cls.__init__ = partialmethod(cls.__init__, init_scale=2.0 ** 24)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, worlds", [("ddp", (1, 2)), ("fsdp", (2, 4))])  # 4: HSDP, 2 groups of 2
+def test_float16_skips_the_same_overflowing_steps_on_any_world_size(char_data, tmp_path, monkeypatch, strategy,
+                                                                     worlds):
+    """A rank's backward divides its losses by the whole world's micro-batch count, and the ranks sum: float16's
+    scaled values, and so the steps that overflow, are one process's. (With each rank's own count and an average,
+    1 process skipped 4 steps and 2 skipped 5; FSDP on 2 skipped 6 and HSDP on 4 skipped 7.)"""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    for cls in (torch.amp.GradScaler, ShardedGradScaler):  # (the in-process run's, undone after the test)
+        monkeypatch.setattr(cls, "__init__", cls.__init__)
+    _high_scale()
+    skipped = []
+    for w in worlds:
+        train_run(w, char_data, tmp_path / f"w{w}", patch=_high_scale, dtype="float16", strategy=strategy,
+                  n_layer=1, max_iters=12, lr_decay_iters=12, fsdp_shard_size=2 if w == 4 else 0)
+        skipped.append([step for step, _, grad_norm in train_log(tmp_path / f"w{w}") if not math.isfinite(grad_norm)])
+    assert skipped[0] == skipped[1] and len(skipped[0]) >= 3, skipped
+    assert max_diff(ckpt(tmp_path / f"w{worlds[0]}"), ckpt(tmp_path / f"w{worlds[1]}")) < 1e-4
+
+
 # --- point 2: one gradient all-reduce per optimizer step ------------------------------------
 
 def _count_allreduces(rank):
-    """Patch parallel.DDP so every bucket all-reduce is counted into $COUNT_FILE.rank."""
+    """Patch DDP's gradient hook (parallel._summed) so every bucket all-reduce is counted into $COUNT_FILE.rank."""
     import os
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    path = Path(os.environ["COUNT_FILE"] + f".{rank}")
+    path, summed = Path(os.environ["COUNT_FILE"] + f".{rank}"), parallel._summed
 
     def counting_hook(state, bucket):
         path.write_text(str(int(path.read_text() or 0) + 1) if path.exists() else "1")
-        return allreduce_hook(state, bucket)
-
-    class CountingDDP(parallel.DDP):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.register_comm_hook(None, counting_hook)
-
-    parallel.DDP = CountingDDP
+        return summed(state, bucket)
+    parallel._summed = counting_hook
 
 
 @pytest.mark.slow
