@@ -115,8 +115,9 @@ def is_model_folder(folder: Path) -> bool:
 
 def near_gpt2_name(name: str) -> str:
     """": did you mean 'gpt2'?" for a name near a known one (gpt2-small, the hub's openai-community/gpt2), or ""."""
-    bare = name.lower().removeprefix("openai-community/").replace("-small", "")  # (gpt2-XL, gpt2-small: 'gpt2')
-    close = [] if "/" in bare else difflib.get_close_matches(bare, ["scratch", "resume", *RELEASED], n=1)
+    bare = name.lower().removeprefix("openai-community/")  # (gpt2-XL; gpt2-small, or gpt2-smal, is 'gpt2')
+    close = [] if "/" in bare else difflib.get_close_matches(bare, ["scratch", "resume", *RELEASED, "gpt2-small"], n=1)
+    close = [c.removesuffix("-small") for c in close]
     return close and close[0] != name and f": did you mean '{close[0]}'{' (train.py)' * (close[0] == 'scratch')}?" or ""
 
 
