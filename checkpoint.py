@@ -70,8 +70,10 @@ def locked_out_dir(out_dir, world):
         try:
             real = Path(os.path.realpath(out_dir))  # (a checkpoint itself too: its files went at the next save)
             inside = next((p for p in (real, *real.parents) if p.suffix == ".dcp"), None)
-            if inside or (out_dir / "train.bin").exists() or has_shards(out_dir):  # its files would go, or be replaced
+            model = any((out_dir / name).is_file() for name in ("model.safetensors", "pytorch_model.bin"))  # (HF's)
+            if inside or model or (out_dir / "train.bin").exists() or has_shards(out_dir):  # its files would go
                 what = f"inside the checkpoint {inside}, which a save replaces" if inside else \
+                    "a Hugging Face model's folder, whose config.json the run writes" if model else \
                     "a dataset folder, whose meta.json the run writes"
                 raise ConfigError(f"{out_dir} is {what}: choose another --out_dir")
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -290,14 +292,6 @@ def read_first(paths: list, use, say: bool = True):
                 print(f"warning: {e}\ntrying {paths[i + 1]} instead", file=sys.stderr, flush=True)
 
 
-def readable(path: Path) -> bool:
-    """Whether `path` reads as a checkpoint, by its plain values (a .pt mapped, not CRC-checked)."""
-    try:
-        return isinstance(read(path, tensors=False), dict)
-    except ConfigError:  # (UnreadableCheckpoint among them)
-        return False
-
-
 def lineage(out_dir: Path, last: Path, resumed_from, saved: tuple, resume: str) -> tuple:
     """(rotate, fresh) for a run's next save into out_dir as `last` (Run.saved: None, or (.., .., whether
     this run wrote it)). Resumed from another of out_dir's checkpoints, nothing saved since, a damaged last
@@ -305,7 +299,7 @@ def lineage(out_dir: Path, last: Path, resumed_from, saved: tuple, resume: str) 
     fresh: the first save of a run that did not continue one of out_dir's (started afresh, or elsewhere)."""
     resumed, real = Path(resumed_from or last), os.path.realpath  # (Path.resolve raises on a link loop)
     elsewhere = real(resumed.parent) != real(out_dir)
-    rotate = real(resumed) == real(last) or elsewhere or saved[2] or resume != "auto" and readable(last)
+    rotate = real(resumed) == real(last) or elsewhere or saved[2] or resume != "auto" and newest_step([last]) >= 0
     return rotate, saved is None or not saved[2] and elsewhere
 
 

@@ -767,21 +767,30 @@ def test_a_file_of_the_run_held_by_something_else_is_refused_before_training(tra
     assert notes.read_text() == "a user's file"
 
 
-def test_an_out_dir_in_a_sharded_checkpoint_or_a_dataset_folder_is_refused(char_data, tmp_path, script):
+def test_an_out_dir_in_a_sharded_checkpoint_or_a_dataset_or_model_folder_is_refused(char_data, tmp_path, script):
     """Inside last.dcp, the run's files went when a save of the other run rotated and replaced that folder;
-    in a dataset's folder, the run wrote its meta.json over the dataset's."""
+    in a dataset's folder, the run wrote its meta.json over the dataset's (also one it prepared there itself,
+    then refused to resume); in a Hugging Face model's (an in-place fine-tune), its config.json over the model's."""
     (tmp_path / "run" / "last.dcp").mkdir(parents=True)
-    data = shutil.copytree(char_data, tmp_path / "data")
-    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    data, model = shutil.copytree(char_data, tmp_path / "data"), tmp_path / "gpt2-mine"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "gpt2"}')
+    (model / "model.safetensors").write_bytes(b"weights")
+    before = {p.name: p.read_bytes() for folder in (data, model) for p in folder.iterdir()}
     for out, why in ((tmp_path / "run" / "last.dcp" / "sub", f"inside the checkpoint {tmp_path / 'run' / 'last.dcp'}, "
                                                              f"which a save replaces"),
                      (tmp_path / "run" / "last.dcp", f"inside the checkpoint {tmp_path / 'run' / 'last.dcp'}, "
                                                      f"which a save replaces"),  # (itself: it was taken)
-                     (data, "a dataset folder, whose meta.json the run writes")):
+                     (data, "a dataset folder, whose meta.json the run writes"),
+                     (model, "a Hugging Face model's folder, whose config.json the run writes")):
         proc = script("train.py", *tiny_args(char_data, out))
         assert proc.returncode == 2 and proc.stderr == f"error: {out} is {why}: choose another --out_dir\n", proc.stderr
-    assert not (tmp_path / "run" / "last.dcp" / "sub").exists()
-    assert {p.name: p.read_bytes() for p in data.iterdir()} == before
+    new = tmp_path / "new"
+    proc = script("train.py", *tiny_args(new, new), f"--prepare_input={char_data.parent / 'input_text.txt'}")
+    assert proc.returncode == 2 and proc.stderr == (f"error: out_dir {new} is the dataset's folder, whose meta.json "
+                                                    f"the run writes: choose another --out_dir\n"), proc.stderr
+    assert not (tmp_path / "run" / "last.dcp" / "sub").exists() and not new.exists()
+    assert {p.name: p.read_bytes() for folder in (data, model) for p in folder.iterdir()} == before
 
 
 def test_a_new_out_dir_deleted_under_a_failing_run_leaves_its_own_error(tmp_path):
