@@ -129,8 +129,8 @@ def _allowed(name: str) -> tuple:
     """The types field `name` takes (Optional[int]: int, NoneType); an unknown name suggests the nearest."""
     if name not in FIELD_TYPES:
         close = difflib.get_close_matches(name, list(FIELD_TYPES), n=1, cutoff=0.6)  # (0.5: nproc, wandb_project)
-        hint = ELSEWHERE.get(name.replace("-", "_")) or (f"did you mean '{close[0]}'?" if close else
-                                                          "see docs/config.md")
+        hint = ELSEWHERE.get(name.replace("-", "_")) or ELSEWHERE["gradient_accumulation_steps"] * ("accum" in name) \
+            or (f"did you mean '{close[0]}'?" if close else "see docs/config.md")  # (grad_accum: not grad_clip)
         raise ConfigError(f"unknown config name {_show(name)}: {hint}")
     return typing.get_args(FIELD_TYPES[name]) or (FIELD_TYPES[name],)
 
@@ -180,7 +180,7 @@ def load_file(path: str) -> dict:
         names = ", ".join(sorted(p.name for p in shipped.glob("*.py")))
         hint = f" ({shipped} holds the shipped ones: {names})" if isinstance(e, FileNotFoundError) else ""
         raise ConfigError(f"cannot read config file {path}: {e.strerror}{hint}") from None
-    namespace: dict = {}
+    namespace: dict = {"__file__": os.path.abspath(path)}  # (as under python: os.path.dirname(__file__))
     try:
         exec(compile(source, path, "exec"), namespace)
     except SyntaxError as e:
@@ -190,8 +190,8 @@ def load_file(path: str) -> dict:
         where = f"{path}, line {lines[-1]}" if lines else path
         own = " (a config file sees only the names it sets: not the defaults, nor another file's)"
         raise ConfigError(f"{where}: {type(e).__name__}: {first_line(e)}{own * isinstance(e, NameError)}") from None
-    skip = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)  # (import os, from math import exp)
-    return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, skip)}
+    return {k: v for k, v in namespace.items()  # (import os, from math import exp: no config value is callable)
+            if not k.startswith("_") and not (isinstance(v, types.ModuleType) or callable(v))}
 
 
 def validate(cfg: Config) -> Config:
@@ -223,6 +223,8 @@ def validate(cfg: Config) -> Config:
     need(cfg.fsdp_shard_size >= 0, f"fsdp_shard_size must be >= 0 (0 = all ranks), got {cfg.fsdp_shard_size}")
     need(cfg.fsdp_shard_size == 0 or cfg.strategy == "fsdp",
          f"fsdp_shard_size={cfg.fsdp_shard_size} shards the model: it needs --strategy=fsdp")
+    need(cfg.fsdp_reshard or cfg.strategy == "fsdp", "fsdp_reshard=False keeps FSDP's gathered weights from forward "
+         "to backward: it needs --strategy=fsdp")
     for name, choices in CHOICES.items():
         need(getattr(cfg, name) in choices, f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
     need(cfg.resume in ("auto", "never") or Path(cfg.resume).suffix in (".pt", ".dcp"),
@@ -239,9 +241,10 @@ def validate(cfg: Config) -> Config:
             path = os.fsencode(getattr(cfg, name))  # (the bytes the file system is given)
         except UnicodeEncodeError:  # a lone surrogate (a config file's "\ud800"): no bytes at all
             path = b"\0"
-        need(b"\0" not in path and len(path) < 4096 and all(len(part) <= 255 for part in path.split(b"/")),
-             f"{name} is not a path a file system takes (a NUL byte, a name over 255 bytes or a path over 4096): "
-             f"{_show(getattr(cfg, name))}")
+        room = 4096 - 64 * (name in ("out_dir", "data_dir"))  # (the names written inside: up to 64 bytes)
+        need(b"\0" not in path and len(path) < room and all(len(part) <= 255 for part in path.split(b"/")),
+             f"{name} is not a path a file system takes (a NUL byte, a name over 255 bytes or a path over {room}"
+             f"{' with the names written in it' * (room < 4096)}): {_show(getattr(cfg, name))}")
     data_dir = cfg.data_dir or REPO / "data" / cfg.dataset  # (prepared at start-up, then the run's meta.json on it)
     need(os.path.realpath(cfg.out_dir) != os.path.realpath(data_dir),
          f"out_dir {cfg.out_dir} is the dataset's folder, whose meta.json the run writes: choose another --out_dir")

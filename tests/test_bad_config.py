@@ -163,7 +163,8 @@ CASES = [
                                                                             b'raise ValueError("\\none\\ntwo")'))],
      None, r"two\.py, line 1: ValueError: one\n"),
     ("a name too long for a file system", ["--out_dir=" + "x" * 256], None,
-     r"out_dir is not a path a file system takes \(a NUL byte, a name over 255 bytes or a path over 4096\)"),
+     r"out_dir is not a path a file system takes \(a NUL byte, a name over 255 bytes or a path over 4032 with the "
+     r"names written in it\)"),
     ("a NUL byte in a path", ['--resume="last\\x00.pt"'], None, r"resume is not a path a file system takes"),
     ("a lone surrogate in a path", lambda d: [str(write_bytes(d.parent / "surrogate.py", b'out_dir = "\\ud800"'))],
      None, r"out_dir is not a path a file system takes"),

@@ -8,15 +8,17 @@ from config import Config, ConfigError, parse_value, resolve
 
 def test_file_then_overrides_resolve_in_order(tmp_path):
     cfg_file = tmp_path / "exp.py"
-    cfg_file.write_text("import math\nfrom math import sqrt\n# a comment\nn_layer = 6\nlearning_rate = 1e-3\n"
+    cfg_file.write_text("import math, os\nfrom math import sqrt\n# a comment\nn_layer = 6\nlearning_rate = 1e-3\n"
                         "max_iters = 200\nlr_decay_iters = max_iters * 2\ndataset = 'shakespeare'\n"
-                        "n_embd = int(sqrt(1024))\n_tokens = 4 * 32\n")  # (sqrt was an unknown config name)
+                        "n_embd = int(sqrt(1024))\n_tokens = 4 * 32\nfrom random import randint\n"
+                        "data_dir = os.path.join(os.path.dirname(__file__), 'd')\n")
+    # (sqrt was an unknown config name, and randint, a bound method, still was; __file__ was not defined)
     cfg = resolve([str(cfg_file), "--n_layer=3", "--learning_rate=2", "--compile=true",
                    "--out_dir=out-7", "--min_lr=None"])
     assert cfg.n_layer == 3                        # the override wins over the file
     assert cfg.learning_rate == 2.0 and isinstance(cfg.learning_rate, float)  # int stands for float
     assert cfg.lr_decay_iters == 400               # the file is real Python
-    assert cfg.dataset == "shakespeare" and cfg.n_embd == 32  # from the file
+    assert cfg.dataset == "shakespeare" and cfg.n_embd == 32 and cfg.data_dir == str(tmp_path / "d")  # the file's
     assert cfg.compile is True and cfg.out_dir == "out-7" and cfg.min_lr is None
     assert cfg.n_head == Config().n_head           # untouched names keep their defaults
 
@@ -24,6 +26,9 @@ def test_file_then_overrides_resolve_in_order(tmp_path):
 def test_unknown_name_suggests_the_closest_valid_name(tmp_path):
     with pytest.raises(ConfigError, match="unknown config name 'n_layers'.*'n_layer'"):
         resolve(["--n_layers=4"])
+    for name in ("grad_accum", "accum_steps"):  # (grad_accum: "did you mean 'grad_clip'?")
+        with pytest.raises(ConfigError, match=f"unknown config name '{name}': give global_batch_size = batch_size x"):
+            resolve([f"--{name}=4"])
     cfg_file = tmp_path / "typo.py"
     cfg_file.write_text("learnig_rate = 0.1\n")
     with pytest.raises(ConfigError, match=f"^{cfg_file}: unknown config name 'learnig_rate'.*'learning_rate'\\? "
@@ -109,6 +114,7 @@ LONG = "a" * 300  # a file name past 255 bytes
     ("--pad_vocab_to=1000000000", "pad_vocab_to rounds the vocabulary up to a multiple of it (64 on GPUs): at most"),
     ("--fsdp_shard_size=-1", "fsdp_shard_size must be >= 0"),
     ("--fsdp_shard_size=2", "it needs --strategy=fsdp"),
+    ("--fsdp_reshard=false", "fsdp_reshard=False keeps FSDP's gathered weights from forward to backward: it needs"),
     *[(f"--{n}=zero3", f"{n} must be one of") for n in ("dtype", "backend", "strategy", "checkpoint_format")],
     ("--resume=somewhere", "resume must be 'auto', 'never' or a path"),
     ("--async_checkpoint=true", "it needs --checkpoint_format=sharded"),
@@ -117,6 +123,10 @@ LONG = "a" * 300  # a file name past 255 bytes
     *[(f"--{n}={v}", f"{n} is not a path a file system takes") for n, v in (
         ("out_dir", LONG), ("dataset", LONG), ("data_dir", LONG), ("prepare_input", LONG), ("init_from", f"x/{LONG}"),
         ("resume", f"{LONG}.pt"), ("hellaswag_path", LONG), ("data_dir", "a\0b"))],
+    # a run writes names of up to 64 bytes inside them: a path that takes no more failed after training, exit 1
+    *[(f"--{n}={'/'.join(['x' * 200] * 21)[:4040]}", f"{n} is not a path a file system takes (a NUL byte, a name over "
+       f"255 bytes or a path over 4032 with the names written in it)") for n in ("out_dir", "data_dir")],
+    ("--out_dir=/tmp/q --data_dir=/tmp/q/", "out_dir /tmp/q is the dataset's folder, whose meta.json the run writes"),
 ])
 def test_values_are_range_checked(args, expected):
     with pytest.raises(ConfigError, match=re.escape(expected)):
