@@ -276,11 +276,11 @@ def main(argv=None):
                       opts["report"] if flags["--profile"] else None)
 
     nprocs = parse_list("nproc", opts["nproc"], int)
-    cfg = resolve(cfg_args)  # a bad config, device, dataset or size fails here, once, not in every worker
-    if cfg.init_from == "resume":
+    chosen = opts["strategies"] is not None and parse_list("strategies", opts["strategies"], str, CHOICES["strategy"])
+    cfg = resolve(cfg_args + ["--strategy=fsdp"] * ("fsdp" in (chosen or ())))  # (fsdp takes ddp's and its own)
+    if cfg.init_from == "resume":  # a bad config, device, dataset or size fails here, once, not in every worker
         raise ConfigError("bench.py times a run from scratch or from GPT-2's weights: leave init_from=resume out")
-    strategies = parse_list("strategies", cfg.strategy if opts["strategies"] is None else opts["strategies"], str,
-                            CHOICES["strategy"])
+    strategies = chosen or [cfg.strategy]
     meta = (Dataset(cfg).meta if not synthetic(cfg_args) else None) or GPT2_META
     for strategy in strategies:
         try:

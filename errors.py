@@ -247,7 +247,7 @@ class OutDirUnwritable(ConfigError):
         elif isinstance(e, (FileExistsError, NotADirectoryError)):
             why, fix = write_failure(e), ""
         else:
-            why, fix = e.strerror or e, " or fix its permissions"
+            why, fix = e.strerror or e, " or free disk space" if e.errno in DISK_FULL else " or fix its permissions"
         super().__init__(f"out_dir {out_dir} cannot be written ({why}): choose another --out_dir{fix}")
 
 

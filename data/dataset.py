@@ -112,7 +112,7 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
         temps = {}
         try:
             for name, array in arrays.items():
-                temps[name] = write_temp(out_dir / name, array.tofile)
+                temps[name] = write_temp(out_dir / name, lambda f: f.write(memoryview(array)))  # (tofile: no errno)
             temps["meta.json"] = write_temp(out_dir / "meta.json", lambda f: f.write(meta_bytes))
             (out_dir / "meta.json").unlink(missing_ok=True)
             for name, tmp in temps.items():  # meta.json last

@@ -162,10 +162,10 @@ class preparing:
 
     def __exit__(self, kind, e, traceback):
         self.close()
-        numpy = isinstance(e, OSError) and e.errno is None and "written" in str(e)  # tofile: "N requested, M written"
-        if numpy or isinstance(e, OSError) and e.errno in DISK_FULL:
-            raise OSError(errno.ENOSPC, f"{e.strerror or 'No space left on device'} for the dataset in {self.folder}"
-                          f"{f' ({e})' * numpy}: free space there, then prepare again") from None
+        if isinstance(e, OSError) and e.errno in (*DISK_FULL, errno.EFBIG):  # a write's: it names no file
+            fix = "free space there" if e.errno in DISK_FULL else "raise the file-size limit (ulimit -f) or prepare " \
+                "it on a file system that takes larger files"
+            raise OSError(e.errno, f"{e.strerror} for the dataset in {self.folder}: {fix}, then prepare again") from None
 
     def close(self):
         if self.fd is not None:

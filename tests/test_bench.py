@@ -322,7 +322,9 @@ def test_bench_measures_the_configs_strategy_unless_told_otherwise(monkeypatch, 
     monkeypatch.setattr(bench, "write_report", lambda *args: None)
     for extra in ([], ["--strategies=ddp,fsdp"]):
         bench.main(["--device=cpu", "--strategy=fsdp", "--nproc=2", f"--report={tmp_path}", *extra])
-    assert measured == [["fsdp"], ["ddp", "fsdp"]]
+    # HSDP (FSDP's own setting): "fsdp_shard_size=1 shards the model: it needs --strategy=fsdp", the bare config's
+    bench.main(["--device=cpu", "--strategies=fsdp", "--fsdp_shard_size=1", "--nproc=2", f"--report={tmp_path}"])
+    assert measured == [["fsdp"], ["ddp", "fsdp"], ["fsdp"]]
 
 
 def test_gpu_summary_tabulates_nanogpt_llmc_and_our_runs(tmp_path, capsys):

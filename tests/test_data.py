@@ -132,13 +132,29 @@ def test_where_hard_links_fail_a_copy_is_made_and_a_full_disk_is_named(tmp_path,
     monkeypatch.setattr(os, "link", raising(PermissionError(1, "Operation not permitted")))
     link_or_copy(tmp_path / "last.pt", tmp_path / "best.pt")  # (a file system without hard links)
     assert (tmp_path / "best.pt").read_bytes() == b"weights" and sorted(os.listdir(tmp_path)) == ["best.pt", "last.pt"]
-    # torch's zip writer cut short is a full disk only when too little is free; numpy's tofile says so its way
+    # torch's zip writer cut short is a full disk only when too little is free
     assert disk_full(RuntimeError("unexpected pos 64 vs 32"), tmp_path, need=1) is None
     assert disk_full(RuntimeError("unexpected pos 64 vs 32"), tmp_path, need=2**62).startswith("No space left")
-    with pytest.raises(OSError, match=f"No space left on device for the dataset in {tmp_path} \\(8 requested and 0 "
-                                      f"written\\): free space there"):
-        with preparing(tmp_path):
-            raise OSError("8 requested and 0 written")
+
+
+def test_a_file_size_limit_and_a_full_disk_are_named_as_they_are(tmp_path):
+    """numpy's tofile cut short by `ulimit -f` raised no errno, and prepare said the disk was full ('free space
+    there', with 78 GB free); an out_dir on a full disk was told to fix its permissions."""
+    import errno
+    import resource
+    from errors import OutDirUnwritable
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, hard))  # (Python ignores SIGXFSZ: a write fails, EFBIG)
+    try:
+        with pytest.raises(OSError, match=re.escape(f"[Errno 27] File too large for the dataset in {tmp_path}: raise "
+                                                    f"the file-size limit (ulimit -f) or prepare it on a file system")):
+            write_dataset(tmp_path, np.zeros(2**20, np.uint16), np.zeros(10, np.uint16),
+                          {"vocab_size": 3, "tokenizer": "char", "chars": "abc", "source": "test"})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert os.listdir(tmp_path) == []  # no part of a dataset, no temporaries
+    full = OutDirUnwritable(tmp_path / "out", OSError(errno.ENOSPC, "No space left on device"))
+    assert str(full).endswith("cannot be written (No space left on device): choose another --out_dir or free disk space")
 
 
 def test_a_run_lock_is_this_runs_only_when_it_names_this_host_and_this_pid(tmp_path):
