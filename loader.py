@@ -202,12 +202,13 @@ class Dataset:
         if not (cfg.dataset.isidentifier() and script.exists()):  # a folder's name: it is imported
             raise ConfigError(f"no dataset in {self.dir} (meta.json missing), and dataset={cfg.dataset!r} names no "
                               f"data/NAME/prepare.py to prepare it: check --dataset and --data_dir")
+        given = f" --input={shlex.quote(cfg.prepare_input)}" if cfg.prepare_input else ""  # (else: the download)
+        command = f"python data/{cfg.dataset}/prepare.py{given} --out_dir {shlex.quote(str(self.dir))}"
         if not getattr(importlib.import_module(f"data.{cfg.dataset}.prepare"), "PREPARE_IN_TRAIN", True):
-            given = f" --input={shlex.quote(cfg.prepare_input)}" if cfg.prepare_input else ""  # (else: the download)
-            raise ConfigError(f"no dataset in {self.dir}: this corpus is too large to prepare at start-up; run python "
-                              f"data/{cfg.dataset}/prepare.py{given} --out_dir {self.dir} first (see docs/data.md)")
-        here, given = os.path.realpath(self.dir), os.path.realpath(cfg.prepare_input or "/")  # (given: DIR/book.txt?)
-        ours = {"input.txt", "lost+found", os.path.basename(given) * (os.path.dirname(given) == here)}
+            raise ConfigError(f"no dataset in {self.dir}: this corpus is too large to prepare at start-up; run "
+                              f"{command} first (see docs/data.md)")
+        here, text = os.path.realpath(self.dir), os.path.realpath(cfg.prepare_input or "/")  # (text: DIR/book.txt?)
+        ours = {"input.txt", "lost+found", os.path.basename(text) * (os.path.dirname(text) == here)}
         own = here == os.path.realpath(script.parent)  # data/NAME, which holds its prepare.py
         others = [] if own or not self.dir.is_dir() else sorted(
             p.name for p in self.dir.iterdir() if not p.name.startswith(".") and p.name not in ours)
@@ -215,7 +216,7 @@ class Dataset:
             raise ConfigError(f"no dataset in {self.dir} (meta.json missing), and it holds other files ("
                               f"{', '.join(others[:3])}{', ...' * (len(others) > 3)}): train.py prepares {cfg.dataset} "
                               f"only into a new or empty folder: check --data_dir, or prepare it there yourself "
-                              f"(python data/{cfg.dataset}/prepare.py --out_dir {self.dir})")
+                              f"({command})")
         if cfg.prepare_input and not Path(cfg.prepare_input).exists():  # (a pipe reads; a folder is refused there)
             raise ConfigError(f"prepare_input {cfg.prepare_input} does not exist: the dataset in "
                               f"{self.dir} is missing and would be prepared from it")

@@ -139,8 +139,8 @@ def _prepare_again(data_dir, when: str = "again", meta: dict = None) -> str:
     given += "".join(f" --{key} {shlex.quote(made[key])}" for key in ("repo", "subset", "revision")
                      if isinstance(made.get(key), str))  # (a hub's: without them, another corpus is fetched)
     given += f" --shard_tokens {made['shard_tokens']}" if type(made.get("shard_tokens")) is int else ""
-    first = f"remove {data_dir}, then " if made else ""  # (a shard prepare takes a finished folder as it is)
-    return f"{first}prepare the dataset {when} ({command}{given} --out_dir {data_dir})"
+    first = f"remove {shlex.quote(str(data_dir))}, then " if made else ""  # (a shard prepare takes a finished one)
+    return f"{first}prepare the dataset {when} ({command}{given} --out_dir {shlex.quote(str(data_dir))})"
 
 
 def is_loose_shard(path: Path) -> bool:

@@ -204,6 +204,7 @@ def test_load_meta_names_the_missing_dataset_and_how_to_prepare_it(tmp_path, mon
     assert _prepare_again(REPO / "data" / "fineweb", meta=shards) == (
         f"remove {REPO / 'data' / 'fineweb'}, then prepare the dataset again (python data/fineweb/prepare.py --input "
         f"'/c/*.jsonl' --shard_tokens 20 --out_dir {REPO / 'data' / 'fineweb'})")
+    assert _prepare_again(Path("/my data"), meta=shards).startswith("remove '/my data', then prepare")  # (to copy)
     hub = {"source": {"name": "huggingface hub"}, "tokenizer": "gpt2", "prepared_with": {
         "repo": "HuggingFaceFW/fineweb", "subset": "sample-100BT", "revision": "v1.2", "shard_tokens": 20}}
     assert _prepare_again(REPO / "data" / "fineweb", meta=hub).endswith(  # the corpus it was made from, not the default
@@ -513,6 +514,12 @@ def test_a_missing_dataset_is_prepared_only_into_a_folder_of_its_own(tmp_path):
                                                     f"prepares shakespeare_char only into a new or empty folder: check "
                                                     f"--data_dir, or prepare it there yourself (python data/")):
         Dataset(Config(data_dir=str(tmp_path), block_size=16))
+    # the command to copy: with the text to prepare (else it prepared Shakespeare), and a path with a space quoted
+    (tmp_path / "my data").mkdir()
+    (tmp_path / "my data" / "notes.md").write_text("")
+    with pytest.raises(ConfigError, match=re.escape(f"(python data/shakespeare_char/prepare.py --input="
+                                                    f"{tmp_path / 'book.txt'} --out_dir '{tmp_path / 'my data'}')")):
+        Dataset(Config(data_dir=str(tmp_path / "my data"), block_size=16, prepare_input=str(tmp_path / "book.txt")))
 
 
 @pytest.mark.parametrize("raced", [False, True])  # True: a shard prepare held the lock and wrote them meanwhile
