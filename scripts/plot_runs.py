@@ -77,7 +77,7 @@ def plot(runs: dict, out: Path):
                 continue
             if r["train"]:
                 ax.plot([x(s) for s, _ in r["train"]], [v for _, v in r["train"]], dash, color=color, alpha=0.7,
-                        linewidth=width, label=f"{label} train")
+                        linewidth=width, label=f"{label} train", marker="." if len(r["train"]) == 1 else None)
             if r["val"]:
                 ax.plot([x(s) for s, _ in r["val"]], [v for _, v in r["val"]], "osd^"[i % 4], color=color,
                         markersize=8 - 1.5 * (i % 4), fillstyle="none", label=f"{label} val")

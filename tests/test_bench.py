@@ -157,8 +157,15 @@ def test_plot_runs_tells_same_named_folders_apart_and_skips_unreadable_lines(tmp
         (tmp_path / exp / "out" / "metrics.jsonl").write_text(good + bad)
     (tmp_path / "exp2" / "out" / "config.json").write_text('{"run": 5}')  # not train.py's
     (tmp_path / "exp1" / "out" / "config.json").write_text('{"run": {"tokens_per_step": {"a": 1}, "world_size": 0}}')
+    import matplotlib.figure
+    figures, savefig = [], matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *args, **kwargs: figures.append(fig) or savefig(fig, *args, **kwargs))
     proc = script("scripts/plot_runs.py", tmp_path / "exp1" / "out", tmp_path / "exp2" / "out",
                   f"--out={tmp_path / 'runs.png'}")
+    # one train point each (a run shorter than log_interval): a line of one point is drawn only with a marker
+    trains = [line for ax in figures[0].axes for line in ax.get_lines() if line.get_label().endswith(" train")]
+    assert trains and all(len(line.get_xdata()) == 1 and line.get_marker() not in (None, "None", "") for line in trains)
     assert proc.returncode == 0 and proc.stdout.splitlines() == [
         f"warning: skipped 4 unreadable lines of {tmp_path}/exp1/out/metrics.jsonl (a write cut short)",
         f"warning: skipped 1 unreadable line of {tmp_path}/exp2/out/metrics.jsonl (a write cut short)",
