@@ -35,7 +35,7 @@ import torch.distributed as dist
 from collectives import agree_or_raise, any_rank, differs_from_rank0, process_group
 from config import CHOICES, PER_HOST, REPO, Config, resolve
 from data.dataset import GPT2_META, GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
-from data.files import atomic_write, atomic_write_bytes, not_a_folder
+from data.files import atomic_write_bytes, not_a_folder, write_together
 from errors import TORCHRUN, ConfigError, RunError, reported, signals_unwind, wait_passing_signals, write_failure
 from loader import Dataset
 from model import GPTConfig
@@ -335,10 +335,10 @@ def write_report(rows: list, report: Path, steps: int, warmup: int, args: list):
                 command=" ".join(["python", "bench.py", *args]))
     table, report_json = markdown(rows, info), dict(info=info, config=first["config"], runs=rows)
     print(table, flush=True)  # first: a report that cannot be written loses no figure
-    try:  # each file whole or not at all (a full disk once left an empty bench.json in place of the last)
-        atomic_write_bytes(report / "bench.json", (json.dumps(report_json, indent=1) + "\n").encode())
-        atomic_write_bytes(report / "bench.md", f"`{info['command']}`\n\n{table}".encode())
-        atomic_write(report / "bench.png", lambda f: plot(rows, f, info))
+    try:  # all whole, or none replaced (a full disk left an empty bench.json; later, a mix of two runs' files)
+        write_together({report / "bench.json": lambda f: f.write((json.dumps(report_json, indent=1) + "\n").encode()),
+                        report / "bench.md": lambda f: f.write(f"`{info['command']}`\n\n{table}".encode()),
+                        report / "bench.png": lambda f: plot(rows, f, info)})
     except OSError as e:
         raise RunError(f"could not write the report in {report} ({write_failure(e)}): free disk space or give "
                        f"another --report (the table above holds its figures)") from None

@@ -172,9 +172,11 @@ def signals_unwind(grace: float = 2.0, unwound: float = 30.0):
         os.close(write)
 
 
-# torchrun, which a signal passed on to it (wait_passing_signals) ends with status 128 + N, not its traceback
+# torchrun, which a signal passed on to it (wait_passing_signals) ends with status 128 + N, and a failed worker
+# (which said why, and torchrun's log line its exit code) with 1: not its traceback of 30 lines
 TORCHRUN = [sys.executable, "-c", "import sys, torch.distributed.elastic.multiprocessing as m, torch.distributed.run "
-            "as r\ntry: r.main()\nexcept m.SignalException as e: sys.exit(128 + e.sigval)"]
+            "as r\ntry: r.main()\nexcept m.SignalException as e: sys.exit(128 + e.sigval)\n"
+            "except m.errors.ChildFailedError: sys.exit(1)"]
 
 
 def wait_passing_signals(child) -> int:

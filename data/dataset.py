@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.files import atomic_write, not_a_folder, preparing, read_json, write_temp
+from data.files import atomic_write, not_a_folder, preparing, read_json, write_together
 
 DATASET_FORMAT = 1
 HEADER_INTS = 256  # an llm.c shard header: 256 int32, of which the first three are used
@@ -109,17 +109,9 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict) -> dict:
     meta_bytes = (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
     with preparing(out_dir):  # another preparation into out_dir waits; what a killed one left goes
         refuse_shards(out_dir)  # again: a shard prepare that held the lock may have finished meanwhile
-        temps = {}
-        try:
-            for name, array in arrays.items():
-                temps[name] = write_temp(out_dir / name, lambda f: f.write(memoryview(array)))  # (tofile: no errno)
-            temps["meta.json"] = write_temp(out_dir / "meta.json", lambda f: f.write(meta_bytes))
-            (out_dir / "meta.json").unlink(missing_ok=True)
-            for name, tmp in temps.items():  # meta.json last
-                os.replace(tmp, out_dir / name)
-        finally:
-            for tmp in temps.values():
-                tmp.unlink(missing_ok=True)
+        write_together({**{out_dir / name: lambda f, a=array: f.write(memoryview(a))  # (numpy's tofile: no errno)
+                           for name, array in arrays.items()}, out_dir / "meta.json": lambda f: f.write(meta_bytes)},
+                       before=lambda: (out_dir / "meta.json").unlink(missing_ok=True))  # the old one first, the new last
     return meta
 
 

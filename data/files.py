@@ -100,6 +100,22 @@ def fsync_dir(folder) -> None:
         os.close(fd)
 
 
+def write_together(writes: dict, before=None) -> None:
+    """write(file) for each path of `writes` on a temporary file beside it; once all are whole, before() (if given),
+    then each renamed over its path, in order. A write that fails (a full disk) replaces none: no mix of old and new."""
+    temps = {}
+    try:
+        for path, write in writes.items():
+            temps[path] = write_temp(Path(path), write)
+        if before:
+            before()
+        for path, tmp in temps.items():
+            os.replace(tmp, path)
+    finally:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+
+
 def atomic_write_bytes(path, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
 

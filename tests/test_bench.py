@@ -277,7 +277,8 @@ def test_a_worker_that_fails_while_running_is_a_failed_run(monkeypatch, tmp_path
 
 
 def test_a_report_that_cannot_be_written_keeps_the_last_and_the_figures_are_printed(monkeypatch, tmp_path, capsys):
-    """A full disk left an empty bench.json in place of the last report, and said only "[Errno 28] ...", exit 2."""
+    """A full disk left an empty bench.json in place of the last report, and said only "[Errno 28] ...", exit 2;
+    later, when it filled at bench.png, the new bench.json and bench.md beside the last run's bench.png."""
     import errno
 
     import bench
@@ -289,12 +290,14 @@ def test_a_report_that_cannot_be_written_keeps_the_last_and_the_figures_are_prin
                mfu=None)
     rows = [bench.summarise("ddp", 1, raw)]
     bench.add_scaling(rows)
-    (tmp_path / "bench.json").write_text("the last report")
-    monkeypatch.setattr(bench, "atomic_write_bytes", raising(OSError(errno.ENOSPC, "No space left on device")))
+    last = {name: f"the last report's {name}" for name in ("bench.json", "bench.md", "bench.png")}
+    for name, text in last.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(bench, "plot", raising(OSError(errno.ENOSPC, "No space left on device")))
     with pytest.raises(RunError, match=rf"could not write the report in {tmp_path} \(No space left on device\): "
                                        r"free disk space or give another --report \(the table above holds its"):
         bench.write_report(rows, tmp_path, 1, 0, [])
-    assert (tmp_path / "bench.json").read_text() == "the last report"
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == last  # (no temporaries either)
     assert "| ddp | 1 | 8 (1) | 128 |" in capsys.readouterr().out
 
 
@@ -320,6 +323,11 @@ def test_a_signal_to_a_tool_goes_on_to_the_torchrun_it_waits_for_which_ends_in_o
     assert "Traceback" not in child.stderr.read()
     assert capsys.readouterr().err == "error: interrupted (SIGTERM)\n"
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # as it was
+    # a worker that fails, after its own line (a nearly full TMPDIR): torchrun's ChildFailedError traceback once
+    failed = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node=1", "--no-python", sys.executable, "-c",
+                             "import sys; sys.exit('error: the worker says why')"], capture_output=True, text=True)
+    assert failed.returncode == 1 and "error: the worker says why\n" in failed.stderr, failed.stderr
+    assert "Traceback" not in failed.stderr
 
 
 def test_bench_measures_the_configs_strategy_unless_told_otherwise(monkeypatch, tmp_path):

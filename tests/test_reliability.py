@@ -171,9 +171,10 @@ def test_a_full_disk_ends_the_run_with_no_space_left_and_earlier_checkpoints_usa
         message = one_error(err)
         assert code == 1 and "No space left on device" in message, err
         assert "no checkpoint of this run was written yet" in message
-        # a prepare script's dataset, too big for it: a full disk, named (numpy said "... requested and ... written")
+        # a prepare script's dataset, too big for it: a full disk, named (numpy's tofile said only "N requested and M
+        # written", and a file-size limit the same way: the arrays are written with file.write, which says which)
         from data.dataset import write_dataset
-        with pytest.raises(OSError, match=r"No space left on device for the dataset in .*tiny/data \(\d+ requested"):
+        with pytest.raises(OSError, match=r"^\[Errno 28\] No space left on device for the dataset in .*tiny/data: free"):
             write_dataset(disk / "data", [0] * 100_000, [0] * 10, {"vocab_size": 65, "tokenizer": "gpt2", "source": "x"})
         assert not any((disk / "data").iterdir())  # no temporary left
     with small_disk(tmp_path / "disk", "2m") as disk:
