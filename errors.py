@@ -52,6 +52,14 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         raise ConfigError(f"{message} (see {self.prog} --help)")
 
+    def parse_known_args(self, args=None, namespace=None):
+        """A shell expands ~ only at a word's start: --out_dir=~/x came as it is, and made a folder named ~ here."""
+        home = lambda name, value: f"{name}={os.path.expanduser(value)}" if value == "~" or value.startswith("~/") \
+            else f"{name}={value}"  # noqa: E731
+        args = [home(*a.split("=", 1)) if a.startswith("--") and "=" in a else a
+                for a in (sys.argv[1:] if args is None else args)]
+        return super().parse_known_args(args, namespace)
+
 
 SEE_OTHER_RANK = "on another rank: see its message"  # collectives.agree_or_raise's; train_spawn.py drops it
 LOST_PEER = "a collective timed out or failed"  # CollectiveFailed's; train_spawn.py drops it beside the cause

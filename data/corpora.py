@@ -54,9 +54,11 @@ def given(text: str) -> str:
 
 def _folder(text: str) -> str:
     """--out_dir: given, and neither a file, a link to nothing, nor under a file (else found once the whole
-    corpus had been read)."""
+    corpus had been read), nor a training run's out_dir (the run's meta.json was replaced: its resume refused)."""
     if found := not_a_folder(given(text)):
         raise argparse.ArgumentTypeError(f"{found} is not a folder: give the folder to write the dataset into")
+    if any((Path(text) / name).exists() for name in ("run.lock", "last.pt", "last.dcp")):
+        raise argparse.ArgumentTypeError(f"{text} is a training run's out_dir: give the dataset a folder of its own")
     return text
 
 

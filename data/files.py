@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -19,8 +20,14 @@ from errors import DISK_FULL
 
 
 def cache_dir() -> Path:
-    """Where downloads are kept between runs (the GPT-2 vocabulary, HellaSwag)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt-train"
+    """Where downloads are kept between runs (the GPT-2 vocabulary, HellaSwag); for a user with no home (no HOME and
+    no passwd entry, as in some containers: Path.home raises), in the temporary folder."""
+    if not (cache := os.environ.get("XDG_CACHE_HOME")):
+        try:
+            cache = Path.home() / ".cache"
+        except RuntimeError:
+            cache = Path(tempfile.gettempdir()) / ".cache"
+    return Path(cache) / "gpt-train"
 
 
 def sha256_bytes(data: bytes) -> str:

@@ -133,6 +133,20 @@ def test_values_are_range_checked(args, expected):
         resolve(args.split(" "))
 
 
+def test_a_home_the_shell_left_unexpanded_is_expanded(monkeypatch, tmp_path):
+    """bash expands ~ only at a word's start: --out_dir=~/x came as it is, and each tool made a folder named ~ in
+    the current folder (a resume there started afresh; --data_dir=~/d prepared Shakespeare into ./~/d)."""
+    from errors import ArgumentParser
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = resolve(["--out_dir=~/runs/a", "--data_dir=~", "--dataset=shakespeare_char"])
+    assert (cfg.out_dir, cfg.data_dir) == (f"{tmp_path}/runs/a", str(tmp_path))
+    p = ArgumentParser()
+    p.add_argument("--out_dir")
+    p.add_argument("--start")
+    args = p.parse_args(["--out_dir=~/runs/a", "--start=~not a path"])
+    assert (args.out_dir, args.start) == (f"{tmp_path}/runs/a", "~not a path")
+
+
 def test_override_syntax_errors_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="--n_layer=VALUE"):
         resolve(["--n_layer", "4"])

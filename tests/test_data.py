@@ -501,6 +501,28 @@ def test_a_dataset_is_trained_with_prepare_input_only_if_made_from_that_text(tmp
     assert other_source({"source": {"path": "fifo"}}, "./fifo") is None
 
 
+def test_a_prepare_script_refuses_a_training_runs_out_dir(tmp_path, monkeypatch):
+    """prepare.py --out_dir=RUN (train.py's name for it) replaced the run's meta.json, and the run's resume was
+    refused from then on ("is a dataset folder")."""
+    from errors import ConfigError
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "meta.json").write_text("the run's")
+    for name in ("last.pt", "run.lock"):
+        (run / name).write_text("")
+        with pytest.raises(ConfigError, match=f"argument --out_dir: {run} is a training run's out_dir: give the "
+                                              f"dataset a folder of its own"):
+            char_prepare.main(["--input", str(REPO / "README.md"), "--out_dir", str(run)])
+        (run / name).unlink()
+    assert (run / "meta.json").read_text() == "the run's"
+    # a user without a home (no HOME, no passwd entry): the GPT-2 vocabulary in data/ was not reached
+    import tempfile
+    from data.files import cache_dir
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", raising(RuntimeError("Could not determine home directory.")))
+    assert cache_dir() == Path(tempfile.gettempdir()) / ".cache" / "gpt-train"
+
+
 def test_a_missing_dataset_is_prepared_only_into_a_folder_of_its_own(tmp_path):
     from config import Config
     from errors import ConfigError
