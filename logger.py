@@ -49,9 +49,11 @@ class Logger:
                 import wandb
                 self.wandb = wandb.init(project=cfg.wandb_project, config=cfg.to_dict(), dir=cfg.out_dir,
                                         name=cfg.wandb_run_name or Path(cfg.out_dir).name)
-            except Exception as e:  # no API key, no network, not installed
-                fix = "pip install wandb" if isinstance(e, ImportError) else "`wandb login`, or set WANDB_MODE=offline"
-                self.start_failure = (f"wandb could not start ({type(e).__name__}: {first_line(e)}): run {fix}, "
+            except Exception as e:  # no API key, no network, not installed, a project name wandb refuses
+                named = "name" in str(e).lower() and "key" not in str(e).lower()  # (a login would not help)
+                fix = "run pip install wandb" if isinstance(e, ImportError) else "check --wandb_project and " \
+                    "--wandb_run_name" if named else "run `wandb login`, or set WANDB_MODE=offline"
+                self.start_failure = (f"wandb could not start ({type(e).__name__}: {first_line(e)}): {fix}, "
                                       f"or use --wandb_log=false")
                 return  # a run refused leaves out_dir's log as it was
         self.metrics, self.lock = Path(cfg.out_dir) / "metrics.jsonl", Path(cfg.out_dir) / "run.lock"

@@ -29,7 +29,7 @@ import pretrained
 import world
 import train
 from config import Config, resolve
-from harness import REPO, child_env, free_port, python, ranks_say, tiny_args, train_py, without_log
+from harness import REPO, child_env, free_port, python, raising, ranks_say, tiny_args, train_py, without_log
 
 
 @pytest.fixture
@@ -816,6 +816,11 @@ def test_wandb_that_cannot_start_is_one_line(char_data, tmp_path, script, monkey
         "error: wandb could not start (UsageError: No API key configured. Use `wandb login` to log to W&B.): "
         "run `wandb login`, or set WANDB_MODE=offline, or use --wandb_log=false\n"), proc.stderr
     assert old_log.read_text() == '{"step": 1, "loss": 3.0}\n'
+    monkeypatch.setattr(wandb, "init", raising(wandb.errors.UsageError("Invalid project name 'a/b': cannot contain "
+                                                                      "characters '/,\\,#,?,%,:', found '/'")))
+    proc = script("train.py", *tiny_args(char_data, tmp_path / "out", wandb_log=True, wandb_project="a/b"))
+    assert proc.returncode == 2 and proc.stderr.endswith("): check --wandb_project and --wandb_run_name, or use "
+                                                         "--wandb_log=false\n"), proc.stderr  # (not `wandb login`)
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: `wandb login` would not help
     proc = script("train.py", *tiny_args(char_data, tmp_path / "out", wandb_log=True, max_iters=2))
     assert proc.returncode == 2 and proc.stderr.endswith("): run pip install wandb, or use --wandb_log=false\n")
