@@ -152,10 +152,10 @@ def _watch(world, address: str, dist_timeout: float, answered: threading.Event, 
     """_join's watchdog thread: ends the process when the join has not ended for 2 x dist_timeout + 2 s.
     (A signal meanwhile: errors.signals_unwind's watchdog, as the store's C++ wait holds the main thread.)"""
     if not joined.wait(2 * dist_timeout + 2):
-        silent = TimeoutError(f"the store at {address} answered, but not every rank joined the group: a peer stopped "
-                              f"while joining, or cannot reach this host at the address gloo gave it" if
-                              answered.is_set() else f"nothing answered at {address}: is another program listening "
-                              f"on MASTER_PORT?")
+        silent = TimeoutError(f"the store at {address} answered, but not every rank joined the group in "
+                              f"{2 * dist_timeout + 2:g}s: a peer stopped while joining, or cannot reach this host at "
+                              f"the address gloo gave it" if answered.is_set() else f"nothing answered at {address} in "
+                              f"{2 * dist_timeout + 2:g}s: is another program listening on MASTER_PORT?")
         say(f"error: {GroupNotFormed(world.rank, world.size, address, dist_timeout, silent)}")  # (under
         os._exit(1)  # train_spawn.py, into its folder of ranks' lines: printed once)
 
