@@ -15,7 +15,7 @@ import socket
 import sys
 import tempfile
 import zipfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -117,10 +117,11 @@ def newest(paths: list) -> list:
     """The checkpoints among `paths` that exist, the most recently written first (not the
     highest step: a fresh run into a used out_dir makes the old run's last its previous), but
     never a previous before its own format's last (a copy or a touch can make it look newer)."""
-    def stamp(p):  # a .dcp's commit; a link to nothing (storage not mounted?) is tried, and reported
-        p = p / ".metadata" if (p / ".metadata").exists() else p
-        return (os.stat(p) if p.exists() else os.lstat(p)).st_mtime_ns
-    stamps = {p: stamp(p) for p in paths if os.path.lexists(p)}
+    def stamp(p):  # a .dcp's commit; a link to nothing (storage not mounted?) is tried, and reported; None: gone
+        for stat, q in ((os.stat, p / ".metadata"), (os.stat, p), (os.lstat, p)):  # (renamed by a live run's save)
+            with suppress(FileNotFoundError, NotADirectoryError):
+                return stat(q).st_mtime_ns
+    stamps = {p: s for p in paths if (s := stamp(p)) is not None}
 
     def key(p):
         last = stamps.get(p.with_name(f"last{p.suffix}"), stamps[p])

@@ -215,6 +215,19 @@ def test_resume_auto_tries_a_last_before_its_previous_whatever_their_times(tmp_p
     assert [p.name for p in newest([tmp_path / n for n in ("last.pt", "previous.pt", "last.dcp", "previous.dcp",
                                                             "best.pt")])] == [
         "last.dcp", "last.pt", "previous.pt", "previous.dcp"]
+    # a live run's save renames last.dcp away as a reader (sample.py, eval.py) looks: a FileNotFoundError traceback
+    real_stat = os.stat
+
+    def rotated_after(path, *args, **kwargs):
+        found = real_stat(path, *args, **kwargs)
+        if str(path).endswith("last.dcp/.metadata") and (tmp_path / "last.dcp").exists():
+            os.rename(tmp_path / "last.dcp", tmp_path / ".last.dcp.old")
+        return found
+    os.utime(tmp_path / "last.dcp" / ".metadata", (400, 400))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(os, "stat", rotated_after)
+        assert [p.name for p in newest([tmp_path / n for n in ("last.dcp", "last.pt")])] == ["last.dcp", "last.pt"]
+        assert [p.name for p in newest([tmp_path / n for n in ("last.dcp", "last.pt")])] == ["last.pt"]  # (gone)
 
 
 def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_previous(trained_copy, char_data):
