@@ -135,6 +135,7 @@ KERNEL_KINDS = [
 ]
 
 FIXED = ["--resume=never", "--hellaswag_interval=0"]  # every measured run starts afresh and evaluates nothing
+AS_DDP = ["--fsdp_reshard=True", "--fsdp_shard_size=0"]  # a ddp run's: FSDP's own settings are the fsdp runs
 
 
 def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir, profile_dir):
@@ -284,14 +285,14 @@ def main(argv=None):
     meta = (Dataset(cfg).meta if not synthetic(cfg_args) else None) or GPT2_META
     for strategy in strategies:
         try:
-            cfg = resolve(cfg_args + FIXED + [f"--strategy={strategy}"])  # as the workers will
+            cfg = resolve(cfg_args + FIXED + [f"--strategy={strategy}"] + AS_DDP * (strategy == "ddp"))  # as run
         except ConfigError as e:
             raise ConfigError(f"the {strategy} run: {e}") from None
         shape = GPTConfig(**pretrained.model_args(cfg, meta))  # (GPT-2's is read here: offline, it fails now)
         for n in nprocs:  # as rank 0 of n processes will see it: the global batch and fsdp_shard_size must split
             if problem := memory_problem(shape, cfg, setup(cfg, claim=False, world=World(size=n, local_size=n))):
                 raise ConfigError(problem)
-    if not opts["report"] or not_a_folder(report := Path(opts["report"])):  # (empty: an unset shell variable)
+    if not opts["report"] or not_a_folder(report := Path(opts["report"]).expanduser()):  # (empty: an unset variable)
         raise ConfigError(f"--report={opts['report']} is no folder: give one for bench.json, bench.md and bench.png")
     report.mkdir(parents=True, exist_ok=True)  # (one that cannot be written loses no figure: write_report)
     rows = measure(strategies, nprocs, cfg_args, steps, warmup, report, flags["--profile"])
@@ -313,11 +314,10 @@ def measure(strategies: list, nprocs: list, cfg_args: list, steps: int, warmup: 
                 rows.append({**same, "strategy": strategy, "measured_as": "ddp"})  # 1 process: fsdp is ddp
                 continue
             result = Path(tmp) / f"{strategy}-{n}.json"
-            cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={n}",
-                   str(REPO / "bench.py"), "--worker", f"--result={result}", f"--steps={steps}",
-                   f"--warmup={warmup}", f"--report={report}", *cfg_args, f"--strategy={strategy}",
-                   *[f"--synthetic_dir={tmp}"] * synthetic(cfg_args), *["--profile"] * profile,
-                   *["--debug"] * ("--debug" in sys.argv)]  # (the workers' tracebacks, too)
+            cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={n}", str(REPO / "bench.py"), "--worker",
+                   f"--result={result}", f"--steps={steps}", f"--warmup={warmup}", f"--report={report}", *cfg_args,
+                   f"--strategy={strategy}", *AS_DDP * (strategy == "ddp"), *["--profile"] * profile,
+                   *[f"--synthetic_dir={tmp}"] * synthetic(cfg_args), *["--debug"] * ("--debug" in sys.argv)]
             print(f"--- {strategy}, {n} process{'es' if n > 1 else ''}", flush=True)
             status = wait_passing_signals(subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
             if status:  # (cwd: here, so relative paths hold)
@@ -336,7 +336,7 @@ def write_report(rows: list, report: Path, steps: int, warmup: int, args: list):
     table, report_json = markdown(rows, info), dict(info=info, config=first["config"], runs=rows)
     print(table, flush=True)  # first: a report that cannot be written loses no figure
     try:  # all whole, or none replaced (a full disk left an empty bench.json; later, a mix of two runs' files)
-        write_together({report / "bench.json": lambda f: f.write((json.dumps(report_json, indent=1) + "\n").encode()),
+        write_together({report / "bench.json": lambda f: f.write(f"{json.dumps(report_json, indent=1)}\n".encode()),
                         report / "bench.md": lambda f: f.write(f"`{info['command']}`\n\n{table}".encode()),
                         report / "bench.png": lambda f: plot(rows, f, info)})
     except OSError as e:

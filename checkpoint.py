@@ -59,10 +59,11 @@ def write(state: dict, path: Path, before_rename=None):
 
 
 @contextmanager
-def locked_out_dir(out_dir, world):
+def locked_out_dir(out_dir, world, data_dir=None):
     """Rank 0's fcntl lock on out_dir/run.lock for the whole run (the OS drops it however the process
     ends; the file names its holder), taken before the group forms, with a check that out_dir is
-    writable now and that no folder, pipe or device holds a name the run writes a file at (WRITTEN).
+    writable now, that no folder, pipe or device holds a name the run writes a file at (WRITTEN), and that it is no
+    dataset's folder, nor data_dir.
     Yields the problem found (or None): train.py raises it on every rank."""
     fd, error, out_dir = None, None, Path(out_dir)
     created = world.is_master and not out_dir.exists()
@@ -71,7 +72,9 @@ def locked_out_dir(out_dir, world):
             real = Path(os.path.realpath(out_dir))  # (a checkpoint itself too: its files went at the next save)
             inside = next((p for p in (real, *real.parents) if p.suffix == ".dcp"), None)
             model = any((out_dir / name).is_file() for name in ("model.safetensors", "pytorch_model.bin"))  # (HF's)
-            if inside or model or (out_dir / "train.bin").exists() or has_shards(out_dir):  # its files would go
+            data = data_dir and real == Path(os.path.realpath(data_dir)) or (out_dir / "train.bin").exists() or \
+                has_shards(out_dir)  # (data_dir: the run may prepare it there, then write its meta.json over it)
+            if inside or model or data:  # its files would go, or be replaced
                 what = f"inside the checkpoint {inside}, which a save replaces" if inside else \
                     "a Hugging Face model's folder, whose config.json the run writes" if model else \
                     "a dataset folder, whose meta.json the run writes"

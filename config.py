@@ -247,9 +247,6 @@ def validate(cfg: Config) -> Config:
         need(b"\0" not in path and len(path) < room and all(len(part) <= 255 for part in path.split(b"/")),
              f"{name} is not a path a file system takes (a NUL byte, a name over 255 bytes or a path over {room}"
              f"{' with the names written in it' * (room < 4096)}): {_show(getattr(cfg, name))}")
-    data_dir = cfg.data_dir or REPO / "data" / cfg.dataset  # (prepared at start-up, then the run's meta.json on it)
-    need(os.path.realpath(cfg.out_dir) != os.path.realpath(data_dir),
-         f"out_dir {cfg.out_dir} is the dataset's folder, whose meta.json the run writes: choose another --out_dir")
     return cfg
 
 

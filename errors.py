@@ -52,10 +52,11 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         raise ConfigError(f"{message} (see {self.prog} --help)")
 
+    PATHS = ("bpe_file", "data_dir", "hellaswag", "init_from", "input", "out", "out_dir", "to")  # (not --start's text)
+
     def parse_known_args(self, args=None, namespace=None):
         """A shell expands ~ only at a word's start: --out_dir=~/x came as it is, and made a folder named ~ here."""
-        home = lambda name, value: f"{name}={os.path.expanduser(value)}" if value == "~" or value.startswith("~/") \
-            else f"{name}={value}"  # noqa: E731
+        home = lambda name, value: f"{name}={os.path.expanduser(value) if name[2:] in self.PATHS else value}"  # noqa
         args = [home(*a.split("=", 1)) if a.startswith("--") and "=" in a else a
                 for a in (sys.argv[1:] if args is None else args)]
         return super().parse_known_args(args, namespace)
@@ -327,9 +328,10 @@ class Diverged(RunError):
 class CheckpointNotWritten(RunError):
     def __init__(self, step: int, failure: str, saved):
         full = "No space left" in failure or "Disk quota" in failure  # (a message: maybe another rank's)
-        super().__init__(
-            f"could not write a checkpoint at step {step} ({failure}); {_kept(saved)}: "
-            f"{'free disk space' if full else 'make out_dir writable'} or choose another out_dir, then relaunch.")
+        fix = "free disk space" if full else "raise the file-size limit (ulimit -f)" if "File too large" in failure \
+            else "make out_dir writable"
+        super().__init__(f"could not write a checkpoint at step {step} ({failure}); {_kept(saved)}: {fix} or choose "
+                         f"another out_dir, then relaunch.")
 
 
 class LogNotWritten(RunError):

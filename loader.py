@@ -21,6 +21,7 @@ import torch
 
 from config import REPO, Config
 from data.dataset import Shard, check_token_files, has_tokens, load_meta, other_source, split_shards, text_sha256
+from data.files import preparing
 from errors import BadTokenId, ConfigError, out_of_memory
 from collectives import agree_or_raise, differs_from_rank0
 
@@ -228,9 +229,12 @@ class Dataset:
         error = None
         if self.meta is None and world.local_rank == 0 and not has_tokens(self.dir):
             local_input = {"input_path": self.cfg.prepare_input} if self.cfg.prepare_input else {}
-            try:
-                importlib.import_module(f"data.{self.cfg.dataset}.prepare").prepare(
-                    out_dir=str(self.dir), **local_input)
+            try:  # a run starting beside into the same new folder waits, and then finds its dataset there
+                self.dir.mkdir(parents=True, exist_ok=True)  # (read_dataset: refused if of another prepare_input)
+                with preparing(self.dir):
+                    if not has_tokens(self.dir):
+                        importlib.import_module(f"data.{self.cfg.dataset}.prepare").prepare(
+                            out_dir=str(self.dir), **local_input)
             except (OSError, ValueError, RuntimeError, MemoryError) as e:  # no corpus, not UTF-8, a full disk...
                 error = f"preparing {self.cfg.dataset} in {self.dir} failed: {out_of_memory(e) or e}"
         agree_or_raise(error, world, "preparing the dataset failed")

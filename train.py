@@ -327,9 +327,9 @@ def main(cfg: Config) -> dict:
     world = setup(cfg)  # ranks, device, dtype, backend, accumulation: checked before any group
     dataset = Dataset(cfg)
     # rank 0 locks out_dir before the group forms (a second run into it stops at the first agreement)
-    with checkpoint.locked_out_dir(cfg.out_dir, world) as out_dir_error, process_group(world, cfg.dist_timeout):
+    with checkpoint.locked_out_dir(cfg.out_dir, world, dataset.dir) as unusable, process_group(world, cfg.dist_timeout):
         # rank 0 cannot use out_dir (busy, unwritable), or a rank's config is not rank 0's: every rank stops
-        agree_or_raise(differs_from_rank0(cfg.to_dict(), world, PER_HOST) or out_dir_error, world)
+        agree_or_raise(differs_from_rank0(cfg.to_dict(), world, PER_HOST) or unusable, world)
         return train(cfg, world, dataset)
 
 

@@ -114,6 +114,8 @@ def write_together(writes: dict, before=None) -> None:
     try:
         for path, write in writes.items():
             temps[path] = write_temp(Path(path), write)
+        if folder := next((path for path in temps if os.path.isdir(path)), None):  # (its rename would fail: first)
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(folder))
         if before:
             before()
         for path, tmp in temps.items():
@@ -166,11 +168,16 @@ class preparing:
     """An exclusive lock on `folder` itself (no lock file among the data), taken before the
     temporaries a killed preparation left there are removed: one preparation writes into a folder
     at a time (another, on this host or one sharing the disk, waits for it). Held until the end of
-    its with block, which names the folder in a full disk's error."""
-    fd = None
+    its with block, which names the folder in a full disk's error. Inside another of this process's (train.py's
+    start-up, around a prepare script's), it takes nothing: a second flock would wait for the first."""
+    fd, held = None, set()  # held: the folders this process holds
 
     def __init__(self, folder: Path):
-        self.folder, self.fd = folder, os.open(folder, os.O_RDONLY)
+        self.folder, self.key = folder, os.path.realpath(folder)
+        if self.key in preparing.held:  # (the outer one names a full disk)
+            self.folder = None
+            return
+        self.fd = os.open(folder, os.O_RDONLY)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -178,6 +185,7 @@ class preparing:
             fcntl.flock(self.fd, fcntl.LOCK_EX)
         except OSError:  # a folder NFS cannot lock: go on unlocked, removing nothing (another host may be writing it)
             return
+        preparing.held.add(self.key)
         remove_stale_temporaries(folder)
 
     def __enter__(self):
@@ -185,13 +193,14 @@ class preparing:
 
     def __exit__(self, kind, e, traceback):
         self.close()
-        if isinstance(e, OSError) and e.errno in (*DISK_FULL, errno.EFBIG):  # a write's: it names no file
+        if self.folder and isinstance(e, OSError) and e.errno in (*DISK_FULL, errno.EFBIG):  # a write's: no file named
             fix = "free space there" if e.errno in DISK_FULL else "raise the file-size limit (ulimit -f) or prepare " \
                 "it on a file system that takes larger files"
             raise OSError(e.errno, f"{e.strerror} for the dataset in {self.folder}: {fix}, then prepare again") from None
 
     def close(self):
         if self.fd is not None:
+            preparing.held.discard(self.key)
             os.close(self.fd)
             self.fd = None
 

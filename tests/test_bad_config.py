@@ -789,8 +789,9 @@ def test_an_out_dir_in_a_sharded_checkpoint_or_a_dataset_or_model_folder_is_refu
         assert proc.returncode == 2 and proc.stderr == f"error: {out} is {why}: choose another --out_dir\n", proc.stderr
     new = tmp_path / "new"
     proc = script("train.py", *tiny_args(new, new), f"--prepare_input={char_data.parent / 'input_text.txt'}")
-    assert proc.returncode == 2 and proc.stderr == (f"error: out_dir {new} is the dataset's folder, whose meta.json "
-                                                    f"the run writes: choose another --out_dir\n"), proc.stderr
+    assert proc.returncode == 2 and proc.stderr == (f"error: {new} is a dataset folder, whose meta.json the run "
+                                                    f"writes: choose another --out_dir\n"), proc.stderr
+    assert resolve([f"--data_dir={new}", f"--out_dir={new}"])  # (eval.py and bench.py write no out_dir: theirs)
     assert not (tmp_path / "run" / "last.dcp" / "sub").exists() and not new.exists()
     assert {p.name: p.read_bytes() for folder in (data, model) for p in folder.iterdir()} == before
 

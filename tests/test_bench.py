@@ -121,8 +121,6 @@ def test_bench_bad_arguments_are_one_line(script, tmp_path):
                          (["--profile=True"], "'--profile=True': --profile takes no value"),
                          (["--init_from=resume"], "bench.py times a run from scratch or from GPT-2's weights"),
                          (["--strategies="], "--strategies=: [''] not allowed (choose from ddp, fsdp)"),  # (unset $VAR)
-                         (["--strategies=ddp,fsdp", "--strategy=fsdp", "--fsdp_shard_size=1"],  # (the ddp worker's)
-                          "the ddp run: fsdp_shard_size=1 shards the model: it needs --strategy=fsdp"),
                          (["--n_layer=96", "--n_head=96", "--n_embd=12288"],  # GPT-3's shape, before any worker
                           "error: this model needs at least 2,793.5 GB per process (174,580M parameters")):
         proc = script("bench.py", *args)
@@ -274,6 +272,7 @@ def test_a_worker_that_fails_while_running_is_a_failed_run(monkeypatch, tmp_path
     with pytest.raises(RunError, match="the ddp run on 1 process failed \\(exit 1\\)"):
         bench.measure(["ddp"], [1], ["--device=cpu"], 1, 0, tmp_path, False)
     assert commands[0][-1] == "--debug"  # the workers show their tracebacks too
+    assert commands[0][-5:-2] == ["--strategy=ddp", "--fsdp_reshard=True", "--fsdp_shard_size=0"]  # (FSDP's: fsdp's)
 
 
 def test_a_report_that_cannot_be_written_keeps_the_last_and_the_figures_are_printed(monkeypatch, tmp_path, capsys):
@@ -297,7 +296,14 @@ def test_a_report_that_cannot_be_written_keeps_the_last_and_the_figures_are_prin
     with pytest.raises(RunError, match=rf"could not write the report in {tmp_path} \(No space left on device\): "
                                        r"free disk space or give another --report \(the table above holds its"):
         bench.write_report(rows, tmp_path, 1, 0, [])
-    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == last  # (no temporaries either)
+    files = lambda: {p.name: p.read_text() if p.is_file() else "a folder" for p in tmp_path.iterdir()}  # noqa: E731
+    assert files() == last  # (no temporaries either)
+    monkeypatch.undo()  # a folder where the last file goes: its rename failed after the others were replaced
+    (tmp_path / "bench.png").unlink()
+    (tmp_path / "bench.png").mkdir()
+    with pytest.raises(RunError, match=r"\(Is a directory\)"):
+        bench.write_report(rows, tmp_path, 1, 0, [])
+    assert files() == {**last, "bench.png": "a folder"}
     assert "| ddp | 1 | 8 (1) | 128 |" in capsys.readouterr().out
 
 
@@ -337,9 +343,13 @@ def test_bench_measures_the_configs_strategy_unless_told_otherwise(monkeypatch, 
     monkeypatch.setattr(bench, "write_report", lambda *args: None)
     for extra in ([], ["--strategies=ddp,fsdp"]):
         bench.main(["--device=cpu", "--strategy=fsdp", "--nproc=2", f"--report={tmp_path}", *extra])
-    # HSDP (FSDP's own setting): "fsdp_shard_size=1 shards the model: it needs --strategy=fsdp", the bare config's
-    bench.main(["--device=cpu", "--strategies=fsdp", "--fsdp_shard_size=1", "--nproc=2", f"--report={tmp_path}"])
-    assert measured == [["fsdp"], ["ddp", "fsdp"], ["fsdp"]]
+    # FSDP's own settings: "fsdp_shard_size=1 shards the model: it needs --strategy=fsdp", the bare config's (and the
+    # ddp run's, which leaves them to the fsdp runs); a report folder under ~ (it made one named ~ here)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for strategies in ("fsdp", "ddp,fsdp"):
+        bench.main(["--device=cpu", f"--strategies={strategies}", "--fsdp_shard_size=1", "--fsdp_reshard=False",
+                    "--nproc=2", "--report=~/home_report"])
+    assert measured == [["fsdp"], ["ddp", "fsdp"], ["fsdp"], ["ddp", "fsdp"]] and (tmp_path / "home_report").is_dir()
 
 
 def test_gpu_summary_tabulates_nanogpt_llmc_and_our_runs(tmp_path, capsys):

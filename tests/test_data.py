@@ -155,6 +155,9 @@ def test_a_file_size_limit_and_a_full_disk_are_named_as_they_are(tmp_path):
     assert os.listdir(tmp_path) == []  # no part of a dataset, no temporaries
     full = OutDirUnwritable(tmp_path / "out", OSError(errno.ENOSPC, "No space left on device"))
     assert str(full).endswith("cannot be written (No space left on device): choose another --out_dir or free disk space")
+    from errors import CheckpointNotWritten  # (a save under ulimit -f was told to make out_dir writable)
+    assert "File too large); no checkpoint of this run was written yet: raise the file-size limit (ulimit -f) or " \
+        "choose another out_dir" in str(CheckpointNotWritten(3, "[Errno 27] File too large", None))
 
 
 def test_a_run_lock_is_this_runs_only_when_it_names_this_host_and_this_pid(tmp_path):
@@ -542,6 +545,45 @@ def test_a_missing_dataset_is_prepared_only_into_a_folder_of_its_own(tmp_path):
     with pytest.raises(ConfigError, match=re.escape(f"(python data/shakespeare_char/prepare.py --input="
                                                     f"{tmp_path / 'book.txt'} --out_dir '{tmp_path / 'my data'}')")):
         Dataset(Config(data_dir=str(tmp_path / "my data"), block_size=16, prepare_input=str(tmp_path / "book.txt")))
+
+
+@pytest.mark.slow  # a process of its own
+def test_two_runs_starting_into_one_new_data_dir_do_not_train_on_each_others_text(tmp_path, capsys):
+    """Each saw no dataset, then prepared its own text in turn: the later one replaced the earlier's, which went on
+    training on the other text (or on its own, with the other's meta.json), each with its own text's name."""
+    import threading
+    import world
+    from config import Config
+    from errors import ConfigError
+    from harness import child_env, wait_for
+    from loader import Dataset
+    data, texts = tmp_path / "data", {name: tmp_path / f"{name}.txt" for name in ("mine", "theirs")}
+    for name, path in texts.items():
+        path.write_text(f"{name}: the words of this text, again and again\n" * 200)
+    data.mkdir()
+    char_prepare.prepare(out_dir=str(tmp_path / "made"), input_path=str(texts["theirs"]))  # (moved in by the other)
+    other = subprocess.Popen(  # the other run, holding the folder while its dataset goes in
+        [sys.executable, "-c", f"import os, sys; from data.files import preparing\nwith preparing({str(data)!r}):\n"
+         " print('locked', flush=True)\n sys.stdin.readline()\n for name in ('train.bin', 'val.bin', 'meta.json'):\n"
+         f"  os.replace(os.path.join({str(tmp_path / 'made')!r}, name), os.path.join({str(data)!r}, name))"],
+        cwd=REPO, env=child_env(), text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert other.stdout.readline() == "locked\n"  # it holds the folder, as a run preparing its text there does
+    mine, outcome = Dataset(Config(data_dir=str(data), prepare_input=str(texts["mine"]), block_size=16)), []
+    ready = threading.Thread(target=lambda: outcome.append(_raised(lambda: mine.ready(world.World()))))
+    ready.start()
+    wait_for(lambda: "waiting for another preparation" in capsys.readouterr().out, other, what="this run to wait")
+    other.communicate("go\n")
+    ready.join(timeout=60)
+    assert isinstance(outcome[0], ConfigError) and f"made from {texts['theirs']}, not from prepare_input" in str(
+        outcome[0]), outcome
+    assert json.loads((data / "meta.json").read_text())["source"]["path"] == str(texts["theirs"])  # theirs, whole
+
+
+def _raised(call):
+    try:
+        return call()
+    except Exception as e:
+        return e
 
 
 @pytest.mark.parametrize("raced", [False, True])  # True: a shard prepare held the lock and wrote them meanwhile

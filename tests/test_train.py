@@ -326,9 +326,11 @@ def test_missing_dataset_is_prepared_by_local_rank_zero(char_data, tmp_path, mon
         @staticmethod
         def prepare(out_dir):
             calls.append(out_dir)
-            shutil.copytree(char_data, out_dir)
+            shutil.copytree(char_data, out_dir, dirs_exist_ok=True)  # (made, and locked, by Dataset.ready)
 
-    monkeypatch.setattr(loader.importlib, "import_module", lambda name: FakePrepare)
+    real = loader.importlib.import_module  # (torch imports its lazy modules through it too)
+    monkeypatch.setattr(loader.importlib, "import_module",
+                        lambda name, *args, **kw: FakePrepare if name.startswith("data.") else real(name, *args, **kw))
     data_dir = tmp_path / "fresh_data"
     train_here(data_dir, tmp_path / "out", max_iters=1)
     assert calls == [str(data_dir)]
