@@ -46,20 +46,17 @@ def load_failure(e: BaseException) -> str:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse for the tools, whose mistakes (a value of the wrong type, an unknown option) are one
-    ConfigError line like any other, not its usage text."""
+    """argparse for the tools, whose mistakes (a value of the wrong type, an unknown option) are one ConfigError
+    line like any other, not its usage text; a path option's ~ is the home folder (not --start's text)."""
+    PATHS = ("bpe_file", "data_dir", "hellaswag", "init_from", "input", "out", "out_dir", "to")
 
     def error(self, message):
         raise ConfigError(f"{message} (see {self.prog} --help)")
 
-    PATHS = ("bpe_file", "data_dir", "hellaswag", "init_from", "input", "out", "out_dir", "to")  # (not --start's text)
-
-    def parse_known_args(self, args=None, namespace=None):
-        """A shell expands ~ only at a word's start: --out_dir=~/x came as it is, and made a folder named ~ here."""
+    def parse_known_args(self, args=None, namespace=None):  # (a shell leaves --out_dir=~/x: a folder ~ was made)
         home = lambda name, value: f"{name}={os.path.expanduser(value) if name[2:] in self.PATHS else value}"  # noqa
-        args = [home(*a.split("=", 1)) if a.startswith("--") and "=" in a else a
-                for a in (sys.argv[1:] if args is None else args)]
-        return super().parse_known_args(args, namespace)
+        return super().parse_known_args([home(*a.split("=", 1)) if a.startswith("--") and "=" in a else a
+                                         for a in (sys.argv[1:] if args is None else args)], namespace)
 
 
 SEE_OTHER_RANK = "on another rank: see its message"  # collectives.agree_or_raise's; train_spawn.py drops it
