@@ -35,7 +35,7 @@ import torch.distributed as dist
 from collectives import agree_or_raise, any_rank, differs_from_rank0, process_group
 from config import CHOICES, PER_HOST, REPO, Config, resolve
 from data.dataset import GPT2_META, GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
-from data.files import atomic_write_bytes, not_a_folder, write_together
+from data.files import DISK_FULL, atomic_write_bytes, not_a_folder, write_together
 from errors import TORCHRUN, ConfigError, RunError, reported, signals_unwind, wait_passing_signals, write_failure
 from loader import Dataset
 from model import GPTConfig
@@ -157,10 +157,8 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
         times = slowest_rank(timed_steps(run, steps, device), world)
         peak = (torch.cuda.max_memory_allocated(device) if gpu
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
-        nosync = None
-        if world.size > 1:  # the same steps with no gradient communication at all
-            timed_steps(run, 1, device, sync=False)
-            nosync = slowest_rank(timed_steps(run, steps, device, sync=False), world)
+        # the same steps with no gradient communication at all, after one of their own to warm up
+        nosync = slowest_rank(timed_steps(run, steps + 1, device, sync=False)[1:], world) if world.size > 1 else None
         if profile_dir:
             profile_steps(run, device, Path(profile_dir), f"{world.strategy}-{world.size}", world.is_master)
         figures = dict(
@@ -329,7 +327,7 @@ def measure(strategies: list, nprocs: list, cfg_args: list, steps: int, warmup: 
 
 
 def write_report(rows: list, report: Path, steps: int, warmup: int, args: list):
-    first = rows[0]["raw"]
+    first = next((r["raw"] for r in rows if r["strategy"] != "ddp"), rows[0]["raw"])  # (ddp's leaves out FSDP's)
     info = dict(torch=torch.__version__, host=socket.gethostname(), steps=steps, warmup=warmup, cpus=os.cpu_count(),
                 **{k: first[k] for k in ("device", "data", "vocab_size", "n_params", "dtype", "compile", "memory_kind")},
                 command=" ".join(["python", "bench.py", *args]))
@@ -340,8 +338,9 @@ def write_report(rows: list, report: Path, steps: int, warmup: int, args: list):
                         report / "bench.md": lambda f: f.write(f"`{info['command']}`\n\n{table}".encode()),
                         report / "bench.png": lambda f: plot(rows, f, info)})
     except OSError as e:
-        raise RunError(f"could not write the report in {report} ({write_failure(e)}): free disk space or give "
-                       f"another --report (the table above holds its figures)") from None
+        fix = "free disk space or give" if e.errno in DISK_FULL else "give"  # (a folder in a file's place: named)
+        raise RunError(f"could not write {e.filename or report} ({write_failure(e)}): {fix} another --report (the "
+                       f"table above holds its figures)") from None
     print(f"report: {report}/bench.json, bench.md, bench.png", flush=True)
 
 

@@ -55,7 +55,7 @@ def write(state: dict, path: Path, before_rename=None):
         full = disk_full(e, path.parent, tensor_bytes(state))
         if full is None:
             raise
-        raise OSError(errno.ENOSPC, full) from None
+        raise OSError(errno.EFBIG if full.startswith("File too large") else errno.ENOSPC, full) from None
 
 
 @contextmanager
@@ -122,7 +122,7 @@ def newest(paths: list) -> list:
     never a previous before its own format's last (a copy or a touch can make it look newer)."""
     def stamp(p):  # a .dcp's commit; a link to nothing (storage not mounted?) is tried, and reported; None: gone
         for stat, q in ((os.stat, p / ".metadata"), (os.stat, p), (os.lstat, p)):  # (renamed by a live run's save)
-            with suppress(FileNotFoundError, NotADirectoryError):
+            with suppress(OSError):  # (also a link to itself: ELOOP, read as what it is later)
                 return stat(q).st_mtime_ns
     stamps = {p: s for p in paths if (s := stamp(p)) is not None}
 

@@ -54,9 +54,11 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see {self.prog} --help)")
 
     def parse_known_args(self, args=None, namespace=None):  # (a shell leaves --out_dir=~/x: a folder ~ was made)
-        home = lambda name, value: f"{name}={os.path.expanduser(value) if name[2:] in self.PATHS else value}"  # noqa
-        return super().parse_known_args([home(*a.split("=", 1)) if a.startswith("--") and "=" in a else a
-                                         for a in (sys.argv[1:] if args is None else args)], namespace)
+        args = sys.argv[1:] if args is None else list(args)
+        for i, (name, eq, value) in enumerate(a.partition("=") for a in args):  # (--out_d=~/x: abbreviated)
+            if name.startswith("--") and eq and any(path.startswith(name[2:]) for path in self.PATHS):
+                args[i] = f"{name}={os.path.expanduser(value)}"
+        return super().parse_known_args(args, namespace)
 
 
 SEE_OTHER_RANK = "on another rank: see its message"  # collectives.agree_or_raise's; train_spawn.py drops it
@@ -178,8 +180,7 @@ def signals_unwind(grace: float = 2.0, unwound: float = 30.0):
         os.close(write)
 
 
-# torchrun, which a signal passed on to it (wait_passing_signals) ends with status 128 + N, and a failed worker
-# (which said why, and torchrun's log line its exit code) with 1: not its traceback of 30 lines
+# torchrun, ended by a signal passed on to it (wait_passing_signals): 128 + N; by a failed worker (it said why): 1
 TORCHRUN = [sys.executable, "-c", "import sys, torch.distributed.elastic.multiprocessing as m, torch.distributed.run "
             "as r\ntry: r.main()\nexcept m.SignalException as e: sys.exit(128 + e.sigval)\n"
             "except m.errors.ChildFailedError: sys.exit(1)"]
@@ -324,9 +325,8 @@ class Diverged(RunError):
 
 class CheckpointNotWritten(RunError):
     def __init__(self, step: int, failure: str, saved):
-        full = "No space left" in failure or "Disk quota" in failure  # (a message: maybe another rank's)
-        fix = "free disk space" if full else "raise the file-size limit (ulimit -f)" if "File too large" in failure \
-            else "make out_dir writable"
+        fix = "free disk space" if "No space left" in failure or "Disk quota" in failure else "raise the file-size " \
+            "limit (ulimit -f)" if "File too large" in failure else "make out_dir writable"  # (maybe another rank's)
         super().__init__(f"could not write a checkpoint at step {step} ({failure}); {_kept(saved)}: {fix} or choose "
                          f"another out_dir, then relaunch.")
 

@@ -188,6 +188,8 @@ class Dataset:
 
     def __init__(self, cfg: Config):
         self.cfg, self.dir = cfg, dataset_dir(cfg)
+        if not has_tokens(self.dir) and self.dir.is_dir():  # a run preparing it now: what it holds once that is done
+            preparing(self.dir).close()
         self.meta = read_dataset(cfg) if has_tokens(self.dir) else None
         if self.meta is not None:
             return
@@ -229,6 +231,7 @@ class Dataset:
         error = None
         if self.meta is None and world.local_rank == 0 and not has_tokens(self.dir):
             local_input = {"input_path": self.cfg.prepare_input} if self.cfg.prepare_input else {}
+            made = not self.dir.exists()
             try:  # a run starting beside into the same new folder waits, and then finds its dataset there
                 self.dir.mkdir(parents=True, exist_ok=True)  # (read_dataset: refused if of another prepare_input)
                 with preparing(self.dir):
@@ -237,6 +240,8 @@ class Dataset:
                             out_dir=str(self.dir), **local_input)
             except (OSError, ValueError, RuntimeError, MemoryError) as e:  # no corpus, not UTF-8, a full disk...
                 error = f"preparing {self.cfg.dataset} in {self.dir} failed: {out_of_memory(e) or e}"
+                if made and not any(self.dir.iterdir()):  # (a folder made here for nothing goes)
+                    self.dir.rmdir()
         agree_or_raise(error, world, "preparing the dataset failed")
         if self.meta is None:
             try:

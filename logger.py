@@ -51,8 +51,10 @@ class Logger:
                                         name=cfg.wandb_run_name or Path(cfg.out_dir).name)
             except Exception as e:  # no API key, no network, not installed, a project name wandb refuses
                 named = "name" in str(e).lower() and "key" not in str(e).lower()  # (a login would not help)
+                offline = os.environ.get("WANDB_MODE") in ("offline", "disabled")  # (already: say it not)
                 fix = "run pip install wandb" if isinstance(e, ImportError) else "check --wandb_project and " \
-                    "--wandb_run_name" if named else "run `wandb login`, or set WANDB_MODE=offline"
+                    "--wandb_run_name" if named else f"check {e.filename}" if getattr(e, "filename", None) else \
+                    "run `wandb login`" + ", or set WANDB_MODE=offline" * (not offline)
                 self.start_failure = (f"wandb could not start ({type(e).__name__}: {first_line(e)}): {fix}, "
                                       f"or use --wandb_log=false")
                 return  # a run refused leaves out_dir's log as it was

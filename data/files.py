@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import resource
 import shutil
 import socket
 import subprocess
@@ -114,7 +115,7 @@ def write_together(writes: dict, before=None) -> None:
     try:
         for path, write in writes.items():
             temps[path] = write_temp(Path(path), write)
-        if folder := next((path for path in temps if os.path.isdir(path)), None):  # (its rename would fail: first)
+        if folder := next((p for p in temps if os.path.isdir(p) and not os.path.islink(p)), None):  # (before any)
             raise IsADirectoryError(errno.EISDIR, "Is a directory", str(folder))
         if before:
             before()
@@ -154,13 +155,15 @@ def tensor_bytes(obj) -> int:
 
 def disk_full(e: BaseException, folder: Path, need: int):
     """torch's zip writer reports a write cut short as "unexpected pos": the message, when the
-    disk is full, that says so (else None)."""
+    disk is full or a file-size limit (ulimit -f) too low, that says so (else None)."""
     try:
-        free = shutil.disk_usage(folder).free
+        free, limit = shutil.disk_usage(folder).free, resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     except OSError:  # the folder is gone: whatever happened, it was not only a full disk
         return None
     if "unexpected pos" in str(e) and free < need:
         return f"No space left on device: a checkpoint takes about {need / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free"
+    if "unexpected pos" in str(e) and 0 <= limit < need:  # (RLIM_INFINITY is -1)
+        return f"File too large: a checkpoint takes about {need / 1e6:,.1f} MB, the file-size limit is {limit / 1e6:,.1f}"
     return None
 
 
@@ -184,6 +187,7 @@ class preparing:
             print(f"waiting for another preparation into {folder} to finish", flush=True)
             fcntl.flock(self.fd, fcntl.LOCK_EX)
         except OSError:  # a folder NFS cannot lock: go on unlocked, removing nothing (another host may be writing it)
+            preparing.held.add(self.key)
             return
         preparing.held.add(self.key)
         remove_stale_temporaries(folder)

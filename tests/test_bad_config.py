@@ -653,7 +653,7 @@ def test_a_prepare_at_start_up_that_fails_is_one_line_naming_the_dataset(tmp_pat
     code, err = run_cli(tiny_args(fresh, tmp_path / "out", prepare_input=latin1), monkeypatch, capsys)
     assert (code, err) == (2, f"error: preparing shakespeare_char in {fresh} failed: input file {latin1} is not UTF-8 "
                               f"text (byte 0xe9 at offset 3): convert it to UTF-8\n")
-    assert not (fresh / "meta.json").exists() and nothing_written(tmp_path / "out")
+    assert not fresh.exists() and nothing_written(tmp_path / "out")  # (a folder made to prepare into goes too)
     import data.shakespeare_char.prepare as prepare  # a text too large for the memory (ulimit -v): a traceback
 
     def too_large(**kwargs):
@@ -823,6 +823,13 @@ def test_wandb_that_cannot_start_is_one_line(char_data, tmp_path, script, monkey
     proc = script("train.py", *tiny_args(char_data, tmp_path / "out", wandb_log=True, wandb_project="a/b"))
     assert proc.returncode == 2 and proc.stderr.endswith("): check --wandb_project and --wandb_run_name, or use "
                                                          "--wandb_log=false\n"), proc.stderr  # (not `wandb login`)
+    monkeypatch.setenv("WANDB_MODE", "offline")  # its folder cannot be made: the path, not "set WANDB_MODE=offline"
+    monkeypatch.setattr(wandb, "init", raising(NotADirectoryError(20, "Not a directory", "out/wandb/offline-run")))
+    proc = script("train.py", *tiny_args(char_data, tmp_path / "out", wandb_log=True))
+    assert proc.returncode == 2 and proc.stderr.endswith("): check out/wandb/offline-run, or use --wandb_log=false\n")
+    monkeypatch.setattr(wandb, "init", no_key)
+    proc = script("train.py", *tiny_args(char_data, tmp_path / "out", wandb_log=True))
+    assert proc.returncode == 2 and proc.stderr.endswith("): run `wandb login`, or use --wandb_log=false\n")
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: `wandb login` would not help
     proc = script("train.py", *tiny_args(char_data, tmp_path / "out", wandb_log=True, max_iters=2))
     assert proc.returncode == 2 and proc.stderr.endswith("): run pip install wandb, or use --wandb_log=false\n")

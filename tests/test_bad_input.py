@@ -228,6 +228,9 @@ def test_resume_auto_tries_a_last_before_its_previous_whatever_their_times(tmp_p
         m.setattr(os, "stat", rotated_after)
         assert [p.name for p in newest([tmp_path / n for n in ("last.dcp", "last.pt")])] == ["last.dcp", "last.pt"]
         assert [p.name for p in newest([tmp_path / n for n in ("last.dcp", "last.pt")])] == ["last.pt"]  # (gone)
+    (tmp_path / "loop").mkdir()  # a link to itself: its own line when read (the stat of one pass was a traceback)
+    (tmp_path / "loop" / "last.pt").symlink_to("last.pt")
+    assert newest([tmp_path / "loop" / "last.pt"]) == [tmp_path / "loop" / "last.pt"]
 
 
 def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_previous(trained_copy, char_data):

@@ -293,7 +293,7 @@ def test_a_report_that_cannot_be_written_keeps_the_last_and_the_figures_are_prin
     for name, text in last.items():
         (tmp_path / name).write_text(text)
     monkeypatch.setattr(bench, "plot", raising(OSError(errno.ENOSPC, "No space left on device")))
-    with pytest.raises(RunError, match=rf"could not write the report in {tmp_path} \(No space left on device\): "
+    with pytest.raises(RunError, match=rf"could not write {tmp_path} \(No space left on device\): "
                                        r"free disk space or give another --report \(the table above holds its"):
         bench.write_report(rows, tmp_path, 1, 0, [])
     files = lambda: {p.name: p.read_text() if p.is_file() else "a folder" for p in tmp_path.iterdir()}  # noqa: E731
@@ -301,9 +301,16 @@ def test_a_report_that_cannot_be_written_keeps_the_last_and_the_figures_are_prin
     monkeypatch.undo()  # a folder where the last file goes: its rename failed after the others were replaced
     (tmp_path / "bench.png").unlink()
     (tmp_path / "bench.png").mkdir()
-    with pytest.raises(RunError, match=r"\(Is a directory\)"):
-        bench.write_report(rows, tmp_path, 1, 0, [])
+    with pytest.raises(RunError, match=rf"could not write {tmp_path / 'bench.png'} \(Is a directory\): give another"):
+        bench.write_report(rows, tmp_path, 1, 0, [])  # (named, and not "free disk space")
     assert files() == {**last, "bench.png": "a folder"}
+    # a report of ddp and fsdp runs records the settings given (the ddp run's leave out FSDP's: fsdp_reshard=True)
+    fsdp = bench.summarise("fsdp", 2, {**raw, "config": {**raw["config"], "fsdp_reshard": False}})
+    monkeypatch.setattr(bench, "plot", lambda rows, f, info: f.write(b"png"))
+    (tmp_path / "both").mkdir()
+    bench.add_scaling(rows := [rows[0], fsdp])
+    bench.write_report(rows, tmp_path / "both", 1, 0, [])
+    assert json.loads((tmp_path / "both" / "bench.json").read_text())["config"]["fsdp_reshard"] is False
     assert "| ddp | 1 | 8 (1) | 128 |" in capsys.readouterr().out
 
 

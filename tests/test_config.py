@@ -144,6 +144,7 @@ def test_a_home_the_shell_left_unexpanded_is_expanded(monkeypatch, tmp_path):
     p.add_argument("--start")
     args = p.parse_args(["--out_dir=~/runs/a", "--start=~/a prompt, not a path"])  # (--start='~': it sampled /root)
     assert (args.out_dir, args.start) == (f"{tmp_path}/runs/a", "~/a prompt, not a path")
+    assert p.parse_args(["--out_d=~/b"]).out_dir == f"{tmp_path}/b"  # (abbreviated, as argparse allows)
 
 
 def test_override_syntax_errors_are_clear(tmp_path):

@@ -155,6 +155,21 @@ def test_a_file_size_limit_and_a_full_disk_are_named_as_they_are(tmp_path):
     assert os.listdir(tmp_path) == []  # no part of a dataset, no temporaries
     full = OutDirUnwritable(tmp_path / "out", OSError(errno.ENOSPC, "No space left on device"))
     assert str(full).endswith("cannot be written (No space left on device): choose another --out_dir or free disk space")
+    from data.files import disk_full
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, hard))  # torch's zip writer: "unexpected pos" only
+    try:
+        assert disk_full(RuntimeError("unexpected pos 64 vs 32"), tmp_path, need=2**21) == (
+            "File too large: a checkpoint takes about 2.1 MB, the file-size limit is 1.0")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    import fcntl  # a folder that cannot be locked (NFS), nested as train.py's start-up nests a prepare's: said once
+    real_flock = fcntl.flock
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(fcntl, "flock", lambda fd, op: real_flock(fd, op) if os.path.isfile(f"/proc/self/fd/{fd}") else
+                  raising(OSError(errno.ENOLCK, "No locks available"))())
+        with pytest.raises(OSError) as raised, preparing(tmp_path), preparing(tmp_path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert str(raised.value).count("for the dataset in") == 1
     from errors import CheckpointNotWritten  # (a save under ulimit -f was told to make out_dir writable)
     assert "File too large); no checkpoint of this run was written yet: raise the file-size limit (ulimit -f) or " \
         "choose another out_dir" in str(CheckpointNotWritten(3, "[Errno 27] File too large", None))
@@ -560,23 +575,38 @@ def test_two_runs_starting_into_one_new_data_dir_do_not_train_on_each_others_tex
     data, texts = tmp_path / "data", {name: tmp_path / f"{name}.txt" for name in ("mine", "theirs")}
     for name, path in texts.items():
         path.write_text(f"{name}: the words of this text, again and again\n" * 200)
+
+    def other_run(data, before=()):  # holds the folder while its dataset goes in (`before` at once, the rest on "go")
+        char_prepare.prepare(out_dir=str(tmp_path / "made"), input_path=str(texts["theirs"]))
+        made = str(tmp_path / "made")
+        move = f"for name in %s:\n  os.replace(os.path.join({made!r}, name), os.path.join({str(data)!r}, name))\n"
+        other = subprocess.Popen(
+            [sys.executable, "-c", f"import os, sys; from data.files import preparing\nwith preparing({str(data)!r}):\n"
+             " "
+             + move % (before,) + " print('locked', flush=True)\n sys.stdin.readline()\n "
+             + move % (tuple(n for n in ("train.bin", "val.bin", "meta.json") if n not in before),)],
+            cwd=REPO, env=child_env(), text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert other.stdout.readline() == "locked\n"  # it holds the folder, as a run preparing its text there does
+        return other
+
+    def waits_then(call, other):
+        outcome = []
+        waiting = threading.Thread(target=lambda: outcome.append(_raised(call)))
+        waiting.start()
+        wait_for(lambda: "waiting for another preparation" in capsys.readouterr().out, other, what="this run to wait")
+        other.communicate("go\n")
+        waiting.join(timeout=60)
+        return outcome[0]
     data.mkdir()
-    char_prepare.prepare(out_dir=str(tmp_path / "made"), input_path=str(texts["theirs"]))  # (moved in by the other)
-    other = subprocess.Popen(  # the other run, holding the folder while its dataset goes in
-        [sys.executable, "-c", f"import os, sys; from data.files import preparing\nwith preparing({str(data)!r}):\n"
-         " print('locked', flush=True)\n sys.stdin.readline()\n for name in ('train.bin', 'val.bin', 'meta.json'):\n"
-         f"  os.replace(os.path.join({str(tmp_path / 'made')!r}, name), os.path.join({str(data)!r}, name))"],
-        cwd=REPO, env=child_env(), text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert other.stdout.readline() == "locked\n"  # it holds the folder, as a run preparing its text there does
-    mine, outcome = Dataset(Config(data_dir=str(data), prepare_input=str(texts["mine"]), block_size=16)), []
-    ready = threading.Thread(target=lambda: outcome.append(_raised(lambda: mine.ready(world.World()))))
-    ready.start()
-    wait_for(lambda: "waiting for another preparation" in capsys.readouterr().out, other, what="this run to wait")
-    other.communicate("go\n")
-    ready.join(timeout=60)
-    assert isinstance(outcome[0], ConfigError) and f"made from {texts['theirs']}, not from prepare_input" in str(
-        outcome[0]), outcome
+    mine = Dataset(Config(data_dir=str(data), prepare_input=str(texts["mine"]), block_size=16))  # (before the other)
+    refused = waits_then(lambda: mine.ready(world.World()), other_run(data))
+    assert isinstance(refused, ConfigError) and f"made from {texts['theirs']}, not from prepare_input" in str(refused)
     assert json.loads((data / "meta.json").read_text())["source"]["path"] == str(texts["theirs"])  # theirs, whole
+    # a run that looks while the other is writing (train.bin in, meta.json not yet): "it holds other files" once
+    (tmp_path / "later").mkdir()
+    theirs = Config(data_dir=str(tmp_path / "later"), prepare_input=str(texts["theirs"]), block_size=16)
+    found = waits_then(lambda: Dataset(theirs), other_run(tmp_path / "later", before=("train.bin",)))
+    assert isinstance(found, Dataset) and found.meta["source"]["path"] == str(texts["theirs"]), found
 
 
 def _raised(call):
