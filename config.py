@@ -237,8 +237,7 @@ def validate(cfg: Config) -> Config:
          "(out_dir/last.pt) or --resume=PATH.pt, or --init_from=scratch")
     need(bool(cfg.out_dir), "out_dir must not be empty")
     for name in ("out_dir", "dataset", "data_dir", "prepare_input", "init_from", "resume", "hellaswag_path"):
-        if getattr(cfg, name) == "~" or getattr(cfg, name).startswith("~/"):  # (--out_dir=~/x: the shell left it)
-            setattr(cfg, name, os.path.expanduser(getattr(cfg, name)))
+        setattr(cfg, name, os.path.expanduser(getattr(cfg, name)))  # (--out_dir=~/x: a shell leaves that ~)
         try:
             path = os.fsencode(getattr(cfg, name))  # (the bytes the file system is given)
         except UnicodeEncodeError:  # a lone surrogate (a config file's "\ud800"): no bytes at all

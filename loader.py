@@ -13,6 +13,7 @@ passes). Memory: 8 bytes a window for the order; the tokens stay on disk until r
 import importlib
 import os
 import shlex
+from contextlib import suppress
 from pathlib import Path
 from typing import Optional
 
@@ -240,8 +241,9 @@ class Dataset:
                             out_dir=str(self.dir), **local_input)
             except (OSError, ValueError, RuntimeError, MemoryError) as e:  # no corpus, not UTF-8, a full disk...
                 error = f"preparing {self.cfg.dataset} in {self.dir} failed: {out_of_memory(e) or e}"
-                if made and not any(self.dir.iterdir()):  # (a folder made here for nothing goes)
-                    self.dir.rmdir()
+                if made:  # a folder made here for nothing goes (rmdir: only if it is empty)
+                    with suppress(OSError):
+                        self.dir.rmdir()
         agree_or_raise(error, world, "preparing the dataset failed")
         if self.meta is None:
             try:
