@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -122,10 +123,15 @@ def test_a_signal_the_main_thread_cannot_take_ends_the_process_after_a_grace(sig
     wait = ("libc.pthread_mutex_lock(mutex)" if held else "time.sleep(60)")  # (the mutex is locked already)
     code = (f"import ctypes, sys, time\nsys.path.insert(0, {str(REPO)!r})\nfrom errors import signals_unwind\n"
             f"libc, mutex = ctypes.CDLL(None), ctypes.create_string_buffer(64)\nlibc.pthread_mutex_lock(mutex)\n"
-            f"with signals_unwind(grace=1):\n    try:\n        print('ready', flush=True)\n        {wait}\n"
-            f"    finally:\n        time.sleep(2)  # longer than the grace\n        print('cleaned up', flush=True)\n")
+            f"with signals_unwind(grace=1):\n    try:\n        print('ready', ctypes.addressof(mutex), flush=True)\n"
+            f"        {wait}\n    finally:\n        time.sleep(2)  # longer than the grace\n"
+            f"        print('cleaned up', flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout.readline() == "ready\n"
+    ready, mutex = proc.stdout.readline().split()
+    assert ready == "ready"
+    if held:  # the main thread waits on the mutex's futex (a signal before that ran the handler: a traceback here)
+        wait_for(lambda: Path(f"/proc/{proc.pid}/syscall").read_text().split()[1:2] == [hex(int(mutex))], proc,
+                 what="the main thread to wait in C")
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=30)
     assert (proc.returncode, err) == (128 + signum, f"error: {interrupted(signum)}\n")
