@@ -175,8 +175,8 @@ class preparing:
     start-up, around a prepare script's), it takes nothing: a second flock would wait for the first."""
     fd, held = None, set()  # held: the folders this process holds
 
-    def __init__(self, folder: Path):
-        self.folder, self.key = folder, os.path.realpath(folder)
+    def __init__(self, folder: Path, what: str = "the dataset", rerun: str = "prepare"):  # (export_hf: "the export")
+        self.folder, self.key, self.what, self.rerun = folder, os.path.realpath(folder), what, rerun
         if self.key in preparing.held:  # (the outer one names a full disk)
             self.folder = None
             return
@@ -200,7 +200,8 @@ class preparing:
         if self.folder and isinstance(e, OSError) and e.errno in (*DISK_FULL, errno.EFBIG):  # a write's: no file named
             fix = "free space there" if e.errno in DISK_FULL else "raise the file-size limit (ulimit -f) or prepare " \
                 "it on a file system that takes larger files"
-            raise OSError(e.errno, f"{e.strerror} for the dataset in {self.folder}: {fix}, then prepare again") from None
+            raise OSError(e.errno, f"{e.strerror} for {self.what} in {self.folder}: {fix}, then {self.rerun} again") \
+                from None
 
     def close(self):
         if self.fd is not None:

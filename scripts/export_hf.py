@@ -14,7 +14,6 @@ loads it and computes the logits this repo computes. A character-level model is 
 bias=False gets zero biases, which compute the same. Bad input: one line on stderr, exit 2.
 """
 
-import fcntl
 import json
 import os
 import sys
@@ -30,7 +29,7 @@ from safetensors.torch import save  # noqa: E402
 import checkpoint  # noqa: E402
 import pretrained  # noqa: E402
 from data.dataset import GPT2_EOT, has_shards  # noqa: E402
-from data.files import atomic_write_bytes, fsync_dir, read_json, remove_stale_temporaries  # noqa: E402
+from data.files import atomic_write_bytes, fsync_dir, preparing, read_json  # noqa: E402
 from data.tokenizers import write_gpt2_tokenizer_files  # noqa: E402
 from errors import ArgumentParser, ConfigError, first_line, reported, write_failure  # noqa: E402
 from model import GPT  # noqa: E402
@@ -76,19 +75,14 @@ def made_for(folder: Path):
     it at a time (an flock on it), and removes the temporary folders a killed one left (a model's size each)."""
     first = next((p for p in reversed((folder, *folder.parents)) if not p.exists()), None)
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder, os.O_RDONLY)
     try:
-        with suppress(OSError):  # (a file system without flock: none removed, another export may own them)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            remove_stale_temporaries(folder)
-        yield
+        with preparing(folder, "the export", "export"):  # (data.files: the lock and the stale temporaries)
+            yield
     except BaseException:
         for made in [p for p in (folder, *folder.parents) if first is not None and p.is_relative_to(first)]:
             with suppress(OSError):  # (not empty: it stays, and so do the folders above it)
                 made.rmdir()
         raise
-    finally:
-        os.close(fd)
 
 
 def main(argv=None):
