@@ -153,9 +153,9 @@ def _watch(world, address: str, dist_timeout: float, answered: threading.Event, 
     (A signal meanwhile: errors.signals_unwind's watchdog, as the store's C++ wait holds the main thread.)"""
     if not joined.wait(2 * dist_timeout + 2):
         silent = TimeoutError(f"the store at {address} answered, but not every rank joined the group in "
-                              f"{2 * dist_timeout + 2:g}s: a peer stopped while joining, or cannot reach this host at "
-                              f"the address gloo gave it" if answered.is_set() else f"nothing answered at {address} in "
-                              f"{2 * dist_timeout + 2:g}s: is another program listening on MASTER_PORT?")
+                              f"{2 * dist_timeout + 2:.10g}s: a peer stopped while joining, or cannot reach this "
+                              f"host at the address gloo gave it" if answered.is_set() else f"nothing answered at "
+                              f"{address} in {2 * dist_timeout + 2:.10g}s: is another program listening on MASTER_PORT?")
         say(f"error: {GroupNotFormed(world.rank, world.size, address, dist_timeout, silent)}")  # (under
         os._exit(1)  # train_spawn.py, into its folder of ranks' lines: printed once)
 

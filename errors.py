@@ -283,7 +283,7 @@ class GroupNotFormed(RunError):
     def __init__(self, rank: int, world_size: int, address: str, dist_timeout: float, e: Exception):
         super().__init__(
             f"rank {rank} on {socket.gethostname()} could not form the process group of {world_size} "
-            f"ranks at {address} within dist_timeout={dist_timeout:g}s ({first_line(e, 300)}). Check "
+            f"ranks at {address} within dist_timeout={dist_timeout:.10g}s ({first_line(e, 300)}). Check "
             f"that no rank stopped before joining (an error only it saw, such as a config given to it "
             f"alone: see its output); that every host started its ranks with the same MASTER_ADDR, "
             f"MASTER_PORT and WORLD_SIZE; that {address} is reachable from every host (address, port, firewall); and "
@@ -296,7 +296,7 @@ class CollectiveFailed(RunError):
         super().__init__(
             f"rank {rank} on {socket.gethostname()}, {where}: {LOST_PEER} "
             f"({first_line(e, 300)}). A peer process died or the network between hosts is down "
-            f"(dist_timeout={dist_timeout:g}s): relaunch every rank (training with resume=auto continues "
+            f"(dist_timeout={dist_timeout:.10g}s): relaunch every rank (training with resume=auto continues "
             f"from the newest checkpoint written, last.pt on rank 0's host or the shared last.dcp).")
 
 

@@ -105,8 +105,9 @@ class Logger:
         log.write_run_files(cfg, meta, dict(
             torch=torch.__version__, python=sys.version.split()[0], world_size=world.size,
             device=torch.cuda.get_device_name(world.device) if on_gpu else world.device.type,
-            backend=world.backend, dtype=str(world.dtype).removeprefix("torch."), accumulation_steps=world.accum,
-            tokens_per_step=cfg.tokens_per_step, model=run.model_args, cwd=os.getcwd()))  # (relative paths: from it)
+            backend=world.backend if world.size > 1 else None, dtype=str(world.dtype).removeprefix("torch."),
+            accumulation_steps=world.accum, tokens_per_step=cfg.tokens_per_step, model=run.model_args,
+            cwd=os.getcwd()))  # (relative paths: from it)
         log.say(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | tokens per optimizer step: "
                 f"{cfg.tokens_per_step:,} = {cfg.global_batch_size} sequences x {cfg.block_size} tokens "
                 f"({cfg.batch_size} per micro-batch x {world.size} process{'es' * (world.size > 1)} x {world.accum} "

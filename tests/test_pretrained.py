@@ -527,6 +527,7 @@ def test_export_bad_input_is_one_line(tmp_path, fails_with, trained):
     (tmp_path / "empty" / "config.json").write_text(json.dumps(written))
     fails_with(["scripts/export_hf.py", f"--out_dir={tmp_path / 'empty'}", f"--to={tmp_path / 'gpt2'}"],
                f"--to={tmp_path / 'gpt2'} is the folder the run started from (init_from): give another folder")
+    assert written["run"]["backend"] is None  # (one process forms no group: train.py says 'backend none')
     assert written["run"]["cwd"] == os.getcwd()  # a relative init_from is from where training ran, not from here
     written["config"]["init_from"], written["run"]["cwd"] = "gpt2-mine", str(tmp_path)
     (tmp_path / "empty" / "config.json").write_text(json.dumps(written))
