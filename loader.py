@@ -22,7 +22,7 @@ import torch
 
 from config import REPO, Config
 from data.dataset import Shard, check_token_files, has_tokens, load_meta, other_source, split_shards, text_sha256
-from data.files import preparing
+from data.files import allow_open_files, preparing
 from errors import BadTokenId, ConfigError, out_of_memory
 from collectives import agree_or_raise, differs_from_rank0
 
@@ -142,6 +142,7 @@ class ShardedTokenLoader:
 def token_splits(cfg: Config, meta: dict, splits=("train", "val")) -> dict:
     """The dataset's train and val splits (or those in `splits`), each over its shards."""
     shards = split_shards(dataset_dir(cfg), meta, splits)
+    allow_open_files(sum(len(s) for s in shards.values()))  # (each shard's memory map keeps a descriptor)
     return {split: Tokens(shards[split], meta["vocab_size"]) for split in splits}
 
 

@@ -17,7 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
-from errors import DISK_FULL
+from errors import DISK_FULL, ConfigError
 
 
 def cache_dir() -> Path:
@@ -151,6 +151,18 @@ def tensor_bytes(obj) -> int:
         return obj.numel() * obj.element_size()
     values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
     return sum(tensor_bytes(v) for v in values)
+
+
+def allow_open_files(n: int) -> None:
+    """Raise this process's open-file limit (ulimit -n's soft one) for n more descriptors, as far as its hard
+    one allows: each memory-mapped shard keeps one (FineWeb's 100B tokens are 1,000 shards, shells give 1,024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = len(os.listdir("/dev/fd")) + n + 256  # (256: torch's, gloo's and the checkpoints' own, if there is room)
+    if hard != resource.RLIM_INFINITY and need - 224 > hard:
+        raise ConfigError(f"{n:,} token shards need about {need - 256:,} open files, and ulimit -Hn allows {hard:,}: "
+                          f"raise it, or prepare fewer, larger shards (prepare.py --shard_tokens)")
+    if soft != resource.RLIM_INFINITY and soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard) if hard != resource.RLIM_INFINITY else need, hard))
 
 
 def disk_full(e: BaseException, folder: Path, need: int):

@@ -167,3 +167,39 @@ def test_an_id_past_the_vocabulary_is_named_and_read_as_zero(tmp_path, bad):
     tokens.vocab_size = 65
     assert tokens.windows(np.array([0, 40]), 8)[1].tolist() == [40, 41, 0, 43, 44, 45, 46, 47]
     assert tokens.bad.startswith(f"{path} holds token id {bad} at token position 42,")
+
+
+def test_more_shards_than_a_shells_open_file_limit_are_read(tmp_path, monkeypatch):
+    # each shard's memory map keeps a descriptor: FineWeb's 100B tokens (1,000 shards) passed ulimit -n 1024
+    import os
+    import resource
+    from config import Config
+    from data.dataset import write_shard
+    from errors import ConfigError
+    from loader import token_splits
+    names = {"train": [f"c_train_{i:06d}.bin" for i in range(1, 301)], "val": ["c_val_000000.bin"]}
+    for i, name in enumerate(names["train"] + names["val"]):
+        write_shard(tmp_path / name, np.full(20, i % 50, dtype=np.uint16))
+    meta = dict(vocab_size=50, dtype="uint16", shards={s: [{"file": n, "tokens": 20} for n in ns]
+                                                       for s, ns in names.items()})
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/dev/fd")) + 100, hard))
+    try:
+        splits = token_splits(Config(data_dir=str(tmp_path)), meta)
+        firsts = splits["train"].windows(np.arange(0, 6000, 20), 4)[:, 0]  # one window in each shard
+        assert firsts.tolist() == [i % 50 for i in range(300)]
+        del splits
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        monkeypatch.setattr(resource, "getrlimit", lambda what: (1024, 1024))  # (a shell's `ulimit -n 1024`)
+        monkeypatch.setattr(resource, "setrlimit", lambda what, limits: set_to.append(limits))
+        set_to = []
+        token_splits(Config(data_dir=str(tmp_path)), dict(meta, shards={"train": meta["shards"]["train"] * 3}),
+                     ("train",))  # 900 fit in it: not refused for the room it would have liked
+        assert set_to == [(1024, 1024)]
+        with pytest.raises(ConfigError, match=r"^1,200 token shards need about 1,\d{3} open files, and ulimit -Hn "
+                                              r"allows 1,024: raise it, or prepare fewer, larger shards"):
+            token_splits(Config(data_dir=str(tmp_path)), dict(meta, shards={"train": meta["shards"]["train"] * 4}),
+                         ("train",))
+    finally:
+        monkeypatch.undo()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
