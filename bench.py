@@ -125,7 +125,8 @@ def profile_steps(run, device, out: Path, name: str, write: bool, steps: int = 3
 
 # Kernel and op names by kind, for the profile summary (the first match wins).
 KERNEL_KINDS = [
-    ("communication", ("nccl", "gloo", "allreduce", "all_reduce", "reduce_scatter", "allgather")),
+    ("memcpy/fill", ("copy_in", "copy_out")),  # FSDP's copies into and out of its all-gather (named after it)
+    ("communication", ("nccl", "gloo", "c10d", "all_reduce", "all_gather", "reduce_scatter", "backward_reduce")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("optimizer", ("adam", "foreach", "multi_tensor")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addmm", "aten::bmm", "linear")),
@@ -161,13 +162,14 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
         nosync = slowest_rank(timed_steps(run, steps + 1, device, sync=False)[1:], world) if world.size > 1 else None
         if profile_dir:
             profile_steps(run, device, Path(profile_dir), f"{world.strategy}-{world.size}", world.is_master)
+        flops = cfg.peak_flops / (1 if gpu else world.local_size) or None  # (a CPU's: its processes', together)
         figures = dict(
             world_size=world.size, accumulation_steps=accum, tokens_per_step=cfg.tokens_per_step,
             step_times=times, step_times_nosync=nosync, peak_memory=[row[0] for row in by_rank([peak], world)],
             memory_kind="cuda max allocated" if gpu else "peak RSS",
             state_bytes=state_bytes(run), sequences_per_rank_step=cfg.batch_size * accum,
-            mfu=run.raw_model.estimate_mfu(cfg.batch_size * accum, statistics.mean(times),
-                                           cfg.peak_flops or None) if gpu or cfg.peak_flops else None,
+            mfu=run.raw_model.estimate_mfu(cfg.batch_size * accum, statistics.mean(times), flops)
+            if gpu or flops else None,
             device=torch.cuda.get_device_name(device) if gpu else platform.processor() or "cpu",
             dtype=str(world.dtype).removeprefix("torch."), backend=world.backend, compile=cfg.compile,
             config=cfg.to_dict(), data="synthetic" if synthetic_dir else str(cfg.data_dir or cfg.dataset),
@@ -194,15 +196,14 @@ def summarise(strategy: str, nproc: int, f: dict) -> dict:
 def add_scaling(rows: list):
     for row in rows:
         base = next((r for r in rows if r["strategy"] == row["strategy"] and r["nproc"] == 1), None)
-        row["scaling_efficiency"] = (row["tokens_per_sec"] / (row["nproc"] * base["tokens_per_sec"])
-                                     if base else None)
+        row["scaling_efficiency"] = row["tokens_per_sec"] / (row["nproc"] * base["tokens_per_sec"]) if base else None
 
 
 def markdown(rows: list, info: dict) -> str:
     gib = lambda b: f"{b / 2**30:.2f} GiB"
     pct = lambda v: "-" if v is None else f"{v * 100:.1f}%"
-    lines = [f"{info['device']} | torch {info['torch']} | {info['host']} | {info['data']} data "
-             f"({info['vocab_size']:,} tokens) | {info['n_params'] / 1e6:.2f}M parameters | dtype {info['dtype']} | "
+    lines = [f"{info['device']} | torch {info['torch']} | {info['host']} | {info['data']} data (vocabulary "
+             f"{info['vocab_size']:,}) | {info['n_params'] / 1e6:.2f}M parameters | dtype {info['dtype']} | "
              f"compile {info['compile']}", "",
              "| strategy | processes | global batch (accum) | tokens/s | step time | comm share | "
              f"memory per rank ({info['memory_kind']}) | model state per rank | MFU | scaling efficiency |",
@@ -327,7 +328,7 @@ def measure(strategies: list, nprocs: list, cfg_args: list, steps: int, warmup: 
 
 
 def write_report(rows: list, report: Path, steps: int, warmup: int, args: list):
-    first = next((r["raw"] for r in rows if r["strategy"] != "ddp"), rows[0]["raw"])  # (ddp's leaves out FSDP's)
+    first = next((r["raw"] for r in rows if r.get("measured_as", r["strategy"]) != "ddp"), rows[0]["raw"])
     info = dict(torch=torch.__version__, host=socket.gethostname(), steps=steps, warmup=warmup, cpus=os.cpu_count(),
                 **{k: first[k] for k in ("device", "data", "vocab_size", "n_params", "dtype", "compile", "memory_kind")},
                 command=" ".join(["python", "bench.py", *args]))

@@ -99,8 +99,10 @@ class Logger:
         on_gpu = world.device.type == "cuda"
         log = cls(cfg, run.step, run.resumed_from, world.is_master,
                   (lambda steps, seconds: raw_model.estimate_mfu(cfg.batch_size * world.accum * steps, seconds,
-                                                                 cfg.peak_flops or None))
-                  if on_gpu or cfg.peak_flops else None, run.history)  # (a CPU's MFU only from its peak, given)
+                                                                 cfg.peak_flops / (1 if on_gpu else
+                                                                                   world.local_size) or None))
+                  if on_gpu or cfg.peak_flops else None, run.history)  # (a CPU's MFU only from its peak, given,
+                                                                        # shared by its processes: each has its cores)
         agree_or_raise(log.start_failure, world)
         log.write_run_files(cfg, meta, dict(
             torch=torch.__version__, python=sys.version.split()[0], world_size=world.size,

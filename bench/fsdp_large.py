@@ -7,8 +7,8 @@
 For each format (file, sharded, sharded + async) run A starts fresh, saves at step 2, goes on
 and is killed (SIGKILL to every process) once step 3 is logged; run B resumes from that
 checkpoint and saves at step 4. Run U, first, trains the same 4 steps uninterrupted (sharded), and
-every run B's step-4 checkpoint is compared with U's, tensor by tensor (weights, AdamW moments,
-RNG); a format's checkpoints are then deleted (--keep keeps them), so ~35 GB of disk suffice.
+every run B's step-4 checkpoint is compared with U's, tensor by tensor (weights and AdamW moments;
+checkpoints keep no RNG state); a format's checkpoints are then deleted (--keep keeps them), so ~35 GB of disk suffice.
 
 Each rank runs train.py's own cli through a thin wrapper (this file's --worker), which records
 without touching train.py: peak RSS (VmHWM, reset through /proc/self/clear_refs) from process
@@ -155,14 +155,15 @@ def compare(a: Path, b: Path) -> str:
         sharded.load(path, tensors)
         return tensors
 
-    keys = list(sharded.parts(b)[1].state_dict_metadata)
+    keys, compared = list(sharded.parts(b)[1].state_dict_metadata), 0
     for group in ("model.", ".exp_avg", ".exp_avg_sq", ".step"):
         chosen = [k for k in keys if (k.startswith(group) if group.endswith(".") else k.endswith(group))]
         left, right = load(a, chosen), load(b, chosen)
         for k in chosen:
             if not torch.equal(left[k], right[k]):
                 return f"differs at {k}"
-    return f"identical ({len(keys)} tensors)"
+        compared += len(chosen)
+    return f"identical ({compared} tensors)"  # (the metadata's other entries: no tensors of the training state)
 
 
 def table(results: dict) -> str:

@@ -225,6 +225,26 @@ def test_throughput_counts_every_step_since_the_last_log(tmp_path, monkeypatch):
     assert json.loads(log.lines[-1])["tokens_per_sec"] == 5 * 32 * 64 / 2  # 5 steps of 32 x 64 tokens in 2 s
 
 
+def test_a_cpus_mfu_is_each_process_against_its_share_of_the_given_peak(tmp_path, monkeypatch):
+    """A CPU's processes split its cores (world.use_device): each of 2 showed half the CPU's MFU."""
+    from types import SimpleNamespace
+
+    import logger
+    from config import Config
+    from model import GPT, GPTConfig
+    from world import World
+    monkeypatch.setattr(logger, "agree_or_raise", lambda failure, world: None)  # (no group to agree in)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=65))
+    cfg = Config(out_dir=str(tmp_path), peak_flops=1e9, block_size=16, batch_size=4, global_batch_size=8)
+    mfu = {}
+    for size in (1, 2):  # the same global batch of 8: one process in 2 micro-steps, or two in one each
+        world = World(rank=1, size=size, local_size=size, accum=2 // size) if size > 1 else World(accum=2)
+        run = SimpleNamespace(cfg=cfg, world=world, raw_model=model, step=0, resumed_from=None, history=None,
+                              model_args={})
+        mfu[size] = logger.Logger.start(run, {}).estimate_mfu(10, 5.0)  # 10 steps in 5 s, on 1 or on 2 processes
+    assert mfu[1] == mfu[2] == pytest.approx(model.estimate_mfu(8 * 10, 5.0, 1e9))  # all the CPU's work, 1e9 FLOP/s
+
+
 def test_a_logger_on_another_rank_writes_and_prints_nothing(tmp_path, capsys):
     """Every rank makes the same logging calls; only rank 0's do anything (test_launchers: a run's files)."""
     from types import SimpleNamespace
