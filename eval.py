@@ -17,6 +17,7 @@ line on stderr and exit status 2.
 """
 
 import hashlib
+import math
 
 import torch
 
@@ -107,16 +108,20 @@ def main(argv=None):
         loaded = {"model": digest, "val": val and [int(val[0].lengths.sum()), val[2]]}
         agree_or_raise(differs_from_rank0(loaded, world, what="model and val split (each host's --out_dir or "
                                           "--init_from, and --data_dir)"), world)
+        # a loss that is NaN or inf is no score (its weights are finite: pretrained.load_gpt checked)
+        half = str(world.dtype).removeprefix("torch.") if world.dtype != torch.float32 else None
+        overflows = f": the model overflows {half} (try --dtype=float32)" if half else ""
         if val is not None:
             loss = val_loss(model, *val[:2], model.config.block_size, args.batch_size, world, autocast(world), False)
+            if not math.isfinite(loss):  # (all-reduced: every rank stops)
+                raise RunError(f"the val loss on {args.data_dir or args.dataset} is {loss}{overflows}")
         if examples is not None:
             hellaswag.same_on_every_rank(examples, world, "--hellaswag")
             score, _ = hellaswag.evaluate(model, examples, world, autocast(world), args.batch_size,
                                           progress=world.is_master)
-            if score.not_finite:  # (its weights are finite: pretrained.load_gpt checked)
-                half = str(world.dtype).removeprefix("torch.") if world.dtype != torch.float32 else None
-                raise RunError(f"HellaSwag's losses are NaN or inf in {score.not_finite} of {score.examples} examples"
-                               + (f": the model overflows {half} (try --dtype=float32)" if half else ""))
+            if score.not_finite:
+                raise RunError(f"HellaSwag's losses are NaN or inf in {score.not_finite} of {score.examples} "
+                               f"examples{overflows}")
     if world.is_master:
         print(f"# {name}, {world.size} process{'es' if world.size > 1 else ''}")
         if val is not None:

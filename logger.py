@@ -3,6 +3,7 @@
 Every other rank holds a Logger too, one that says nothing, so the loop has no rank branches.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -40,15 +41,16 @@ class Logger:
         self.tokens_per_step, self.estimate_mfu = cfg.tokens_per_step, estimate_mfu
         self.bar = self.wandb = self.failure = None  # failure: why metrics.jsonl could not be written
         self.start_failure = None  # why wandb could not start, or the history not be read: agreed in start()
+        self.idle = bool(resumed_from) and step >= cfg.max_iters  # nothing to train: no run files, no wandb run
         self.restart_clock(step)
         self.lines = []  # metrics.jsonl's lines, which each checkpoint keeps (text())
         if not enabled:
             return
-        if cfg.wandb_log:
+        if cfg.wandb_log and not self.idle:
             try:
                 import wandb
                 self.wandb = wandb.init(project=cfg.wandb_project, config=cfg.to_dict(), dir=cfg.out_dir,
-                                        name=cfg.wandb_run_name or Path(cfg.out_dir).name)
+                                        name=cfg.wandb_run_name or Path(os.path.realpath(cfg.out_dir)).name)
             except Exception as e:  # no API key, no network, not installed, a project name wandb refuses
                 named = "name" in str(e).lower() and "key" not in str(e).lower()  # (a login would not help)
                 offline = os.environ.get("WANDB_MODE") in ("offline", "disabled")  # (already: say it not)
@@ -88,7 +90,17 @@ class Logger:
         if self.bar:
             self.bar.close()
         if self.wandb:
-            self.wandb.finish(exit_code=1 if failed else 0)
+            self.finish_wandb(1 if failed else 0)
+
+    def finish_wandb(self, code: int):
+        """End wandb's run; when its process is gone, its connection too (else a traceback at exit)."""
+        import wandb
+        try:
+            self.wandb.finish(exit_code=code)
+        except Exception:
+            with contextlib.suppress(Exception):
+                wandb.teardown()
+        self.wandb = None
 
     @classmethod
     def start(cls, run, meta: dict) -> "Logger":
@@ -120,12 +132,13 @@ class Logger:
         elif is_pretrained(cfg.init_from):
             log.say(f"weights from {cfg.init_from}: {run.model_args['n_layer']} layers, {run.model_args['n_head']} "
                     f"heads, {run.model_args['n_embd']} wide, its first {cfg.block_size} positions")
+        log.restart_clock(run.step)  # (a resumed run's first interval, with no eval before it, was the start-up's)
         return log
 
     def write_run_files(self, cfg, meta: dict, run_info: dict):
         """config.json (the resolved config and how the run was launched) and the dataset's
         meta.json beside the checkpoints, so a run explains itself; and the config, printed."""
-        if not self.enabled:
+        if not self.enabled or self.idle:  # (a relaunch with nothing to train keeps the run's record)
             return
         for name, obj in (("config.json", {"config": cfg.to_dict(), "run": run_info}), ("meta.json", meta)):
             self._write(Path(cfg.out_dir) / name, json.dumps(obj, indent=2) + "\n")
@@ -174,9 +187,13 @@ class Logger:
             return
         self.lines.append(json.dumps(record) + "\n")
         self._write(self.metrics, self.lines[-1], append=True)
-        if self.wandb:
-            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         self.say(text)
+        try:
+            if self.wandb:
+                self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        except Exception as e:  # its own process was killed (out of memory, say): metrics.jsonl goes on
+            self.say(f"warning: wandb stopped ({type(e).__name__}: {first_line(e)}): metrics.jsonl goes on alone")
+            self.finish_wandb(1)
 
     def restart_clock(self, step: int):
         """Throughput counts training time only: call after anything else (an eval, a save)."""

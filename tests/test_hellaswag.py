@@ -141,6 +141,21 @@ def test_a_full_stderr_does_not_end_the_evaluation_and_a_nan_model_is_refused(hf
     assert score.not_finite == score.examples == 24  # (eval.py and train.py stop on it)
 
 
+def test_a_val_loss_that_is_not_finite_is_refused_not_printed(hf_folder, bpe_data, tmp_path, capsys):
+    """eval.py printed "val loss nan" and exited 0 (HellaSwag's losses and train.py's were refused)."""
+    model = transformers.GPT2LMHeadModel.from_pretrained(hf_folder)
+    with torch.no_grad():
+        model.transformer.ln_f.weight.fill_(3e38)  # finite weights, whose logits overflow float32
+    model.save_pretrained(tmp_path / "overflows")
+    capsys.readouterr()  # (transformers' progress bars)
+    with pytest.raises(SystemExit) as ended, reported():
+        eval_py.main(["--init_from", str(tmp_path / "overflows"), "--no_hellaswag", "--data_dir", str(bpe_data),
+                      "--val_windows=4"])
+    out, err = capsys.readouterr()
+    assert ended.value.code == 1 and "val loss" not in out
+    assert err == f"error: the val loss on {bpe_data} is nan\n"
+
+
 def test_a_diverged_run_stops_at_its_hellaswag_naming_the_causes_its_settings_allow(bpe_data, small_file, tmp_path,
                                                                                     capsys):
     with pytest.raises(SystemExit) as ended:  # (scored with the loss still unchecked: log_interval is later)

@@ -245,6 +245,59 @@ def test_a_cpus_mfu_is_each_process_against_its_share_of_the_given_peak(tmp_path
     assert mfu[1] == mfu[2] == pytest.approx(model.estimate_mfu(8 * 10, 5.0, 1e9))  # all the CPU's work, 1e9 FLOP/s
 
 
+def test_wandb_that_stops_mid_run_leaves_the_run_going_and_a_relaunch_with_nothing_to_train_starts_none(
+        tmp_path, monkeypatch, capsys):
+    """Its own process killed (out of memory) ended the run in a traceback from wandb.log, then one at exit;
+    a relaunch at max_iters started a wandb run and rewrote config.json with its own settings."""
+    import json
+    import sys
+    from types import SimpleNamespace
+
+    import logger
+    from config import Config
+    from harness import raising
+    started, ended = [], []
+    run = SimpleNamespace(log=raising(ConnectionResetError("Connection lost")),
+                          finish=raising(ConnectionResetError("Connection lost")))
+    fake = SimpleNamespace(init=lambda **kw: started.append(kw) or run, teardown=lambda: ended.append(True))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.chdir(tmp_path)
+    from data.files import lock_note
+    (tmp_path / "run.lock").write_bytes(lock_note())  # (this process's run: its log is written)
+    cfg = Config(out_dir=".", wandb_log=True, max_iters=20)
+    with logger.Logger(cfg, 10, None, True) as log:
+        log.train_step(12, 2.0, 1e-3, None)
+        log.train_step(14, 1.9, 1e-3, None)
+    assert started[0]["name"] == tmp_path.name  # out_dir's name, also when given as "." (it was "")
+    assert capsys.readouterr().out.count("warning: wandb stopped (ConnectionResetError: Connection lost): "
+                                         "metrics.jsonl goes on alone\n") == 1
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [12, 14]
+    assert ended == [True]  # its connection closed: nothing left for its exit hook to fail on
+    (tmp_path / "config.json").write_text("the run's")
+    log = logger.Logger(Config(out_dir=".", wandb_log=True, max_iters=20), 20, "./last.pt", True)
+    log.write_run_files(cfg, {}, {"world_size": 2})
+    assert len(started) == 1 and (tmp_path / "config.json").read_text() == "the run's"
+
+
+def test_a_resumed_runs_first_throughput_leaves_out_the_start_up(tmp_path, monkeypatch):
+    """A resumed run evaluates nothing before its first step: wandb's start-up, the run files and the model's
+    summary counted as training time (32 tok/s, then 17,667 in the next interval)."""
+    from types import SimpleNamespace
+
+    import logger
+    from config import Config
+    from model import GPT, GPTConfig
+    clock = iter([100.0, 105.0, 107.0, 107.0])  # the logger made; start() done (5 s later); 5 steps in 2 s
+    monkeypatch.setattr(logger, "time", SimpleNamespace(time=lambda: next(clock)))
+    cfg = Config(out_dir=str(tmp_path), max_iters=20, block_size=16)
+    run = SimpleNamespace(cfg=cfg, world=__import__("world").World(), step=10, resumed_from=str(tmp_path / "last.pt"),
+                          history=None, model_args={}, raw_model=GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8,
+                                                                                block_size=16, vocab_size=9)))
+    log = logger.Logger.start(run, {})
+    log.train_step(15, 2.0, 1e-3, None)
+    assert log.lines[-1].count(f'"tokens_per_sec": {5 * cfg.tokens_per_step / 2}') == 1
+
+
 def test_a_logger_on_another_rank_writes_and_prints_nothing(tmp_path, capsys):
     """Every rank makes the same logging calls; only rank 0's do anything (test_launchers: a run's files)."""
     from types import SimpleNamespace
