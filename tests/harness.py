@@ -56,7 +56,7 @@ def tiny_args(data_dir: Path, out_dir: Path, **overrides) -> list[str]:
 def args_for(data, out, **kw):
     """tiny_args for the distributed comparisons: STEPS steps of a bias-free model, global batch 16."""
     base = dict(bias=False, batch_size=4, global_batch_size=16, max_iters=STEPS, lr_decay_iters=STEPS,
-                eval_interval=4, log_interval=1)
+                eval_interval=4, log_interval=1, dist_timeout=120)  # (a hang fails in minutes, not in 10)
     return tiny_args(data, out, **{**base, **kw})
 
 

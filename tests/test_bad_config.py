@@ -710,11 +710,11 @@ def test_an_out_dir_rank_0_cannot_write_stops_every_rank_before_training(char_da
 @pytest.mark.slow
 def test_ranks_started_with_different_configs_all_stop_before_training(char_data, tmp_path):
     # each would train on alone (another learning rate), or fail in a collective that does not match
-    rank1 = [f"--data_dir={char_data}/.", "--learning_rate=0.03", "--n_layer=3"]  # paths may differ
+    rank1 = [f"--data_dir={char_data}/.", "--learning_rate=0.03", "--n_layer=3", "--seed=7"]  # paths may differ
     ranks_say(_train_rank_recording_config_errors, 2, tmp_path, tiny_args(char_data, tmp_path / "out", dist_timeout=60),
               False, rank1)
-    line = ("rank 1 was started with n_layer=3 (rank 0: 2), learning_rate=0.03 (rank 0: 0.003): "
-            "give every rank the same config")
+    line = ("rank 1 was started with seed=7 (rank 0: 1337), n_layer=3 (rank 0: 2), learning_rate=0.03 (rank 0: 0.003): "
+            "give every rank the same config")  # (another seed: another order of the data)
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [line, line]
     assert nothing_written(tmp_path / "out")
     # the same config, but another host's copy of the dataset holds other characters (the same count), made

@@ -261,6 +261,7 @@ SCALER = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_inter
     ({"step": -1}, "step -1 or world_size 1 is not a whole number"),  # a negative learning rate once
     ({"loader": {"epoch": 0}}, "loader {'epoch': 0} is not an epoch (-1 before the first) and a position"),
     ({"loader": {"epoch": 0, "position": 3}}, "a position that is a multiple of global_batch_size"),
+    ({"loader": {"epoch": 0, "position": -8}}, "a position that is a multiple of global_batch_size"),  # (a multiple)
     ({"loader": {"epoch": -5, "position": 0}}, "is not an epoch (-1 before the first)"),  # once numpy's error
     ({"optimizer": {}}, "optimizer is not AdamW's state of two parameter groups"),
     # once a heap corruption (fused AdamW wrote past the end), and a resume with fresh moments

@@ -106,12 +106,14 @@ LONG = "a" * 300  # a file name past 255 bytes
     ("--min_lr=-0.1", "min_lr must be in"),
     ("--lr_decay_iters=0", "lr_decay_iters must be None or at least warmup_iters (100) and 1, got 0"),
     ("--lr_decay_iters=50", "at least warmup_iters (100)"),  # else warmup, then min_lr at once: no cosine
+    ("--warmup_iters=0 --lr_decay_iters=0", "at least warmup_iters (0) and 1, got 0"),  # (0 would read as max_iters)
     ("--beta2=1.0", "beta1 and beta2 must be in"),
     ("--beta1=1.0", "beta1 and beta2 must be in"),
     ("--beta1=-0.1", "beta1 and beta2 must be in"),
     ("--dist_timeout=0", "dist_timeout must be positive seconds"),
     ("--dist_timeout=0.0004", "dist_timeout must be positive seconds, 1 to 1e6"),  # (a store that waits 0 ms)
-    ("--pad_vocab_to=1000000000", "pad_vocab_to rounds the vocabulary up to a multiple of it (64 on GPUs): at most"),
+    ("--dist_timeout=1000001", "dist_timeout must be positive seconds, 1 to 1e6"),
+    ("--pad_vocab_to=65537", "pad_vocab_to rounds the vocabulary up to a multiple of it (64 on GPUs): at most"),
     ("--fsdp_shard_size=-1", "fsdp_shard_size must be >= 0"),
     ("--fsdp_shard_size=2", "it needs --strategy=fsdp"),
     ("--fsdp_reshard=false", "fsdp_reshard=False keeps FSDP's gathered weights from forward to backward: it needs"),
@@ -129,6 +131,12 @@ LONG = "a" * 300  # a file name past 255 bytes
 ])
 def test_values_are_range_checked(args, expected):
     with pytest.raises(ConfigError, match=re.escape(expected)):
+        resolve(args.split(" "))
+
+
+def test_the_limits_themselves_are_allowed():
+    for args in ("--min_lr=0", "--min_lr=6e-4 --learning_rate=6e-4", "--dist_timeout=1", "--dist_timeout=1e6",
+                 "--pad_vocab_to=65536", "--warmup_iters=0 --lr_decay_iters=1", "--lr_decay_iters=100"):
         resolve(args.split(" "))
 
 

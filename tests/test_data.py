@@ -451,10 +451,12 @@ def test_a_preparation_removes_only_the_temporaries_a_killed_one_left(tmp_path, 
 def test_an_atomic_write_makes_the_file_and_then_its_rename_durable(tmp_path, monkeypatch):
     import stat
     from data.files import atomic_write_bytes
-    synced, fsync = [], os.fsync  # is each fsync'd descriptor a folder?
-    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)) or fsync(fd))
-    atomic_write_bytes(tmp_path / "config.json", b"{}")
-    assert synced == [False, True] and (tmp_path / "config.json").read_bytes() == b"{}"
+    synced, fsync = [], os.fsync  # is each fsync'd descriptor a folder, and what has it reached?
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append((stat.S_ISDIR(os.fstat(fd).st_mode),
+                                                               os.fstat(fd).st_size)) or fsync(fd))
+    atomic_write_bytes(tmp_path / "config.json", b'{"a": 1}')
+    assert synced[0] == (False, 8) and synced[1][0] and (tmp_path / "config.json").read_bytes() == b'{"a": 1}'
+    assert len(synced) == 2  # (the bytes flushed before their fsync: else it made durable a file of 0 bytes)
     from data.files import link_or_copy
     longest = tmp_path / ("\u00e9" * 127)  # 254 bytes, a name the file system takes: its temporaries were too long
     atomic_write_bytes(longest, b"{}")

@@ -58,6 +58,12 @@ def test_set_epoch_changes_the_order_deterministically(token_file):
     assert set(first % BLOCK) != set(second % BLOCK)  # a fresh offset (6, then 7), not only a fresh order
     assert np.array_equal(second, b.starts)  # same (seed, epoch), same order
     assert not np.array_equal(make(token_file, seed=4).starts, first)
+    assert not (np.diff(first) > 0).all() and not (np.diff(second) > 0).all()  # shuffled, not in the file's order
+    offsets = set()
+    for epoch in range(64):  # every offset within a window comes, in time (the last one too)
+        a.set_epoch(epoch)
+        offsets.add(int(a.starts[0] % BLOCK))
+    assert offsets == set(range(BLOCK))
 
 
 def test_an_epochs_order_costs_8_bytes_a_window_while_it_is_drawn(tmp_path):

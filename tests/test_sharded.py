@@ -370,10 +370,13 @@ def test_a_background_save_that_fails_stops_the_run_at_the_next_log_step(char_da
 def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(char_data, sharded, tmp_path, script, monkeypatch):
     """Killed while writing: .last.dcp.tmp is left and last.dcp untouched; killed between the
     commit's renames: no last.dcp, but previous.dcp, which resume=auto takes. The commit's renames
-    are made durable: out_dir is fsync'd once last.dcp is in place."""
+    are made durable: out_dir is fsync'd once last.dcp is in place, and each part's bytes before that."""
+    import os
     import sharded as module
-    synced = []
+    synced, files, fsync = [], set(), os.fsync
     monkeypatch.setattr(module, "fsync_dir", lambda folder: synced.append((Path(folder) / "last.dcp").is_dir()))
+    monkeypatch.setattr(os, "fsync", lambda fd: files.add(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+                        or fsync(fd))
     out = Path(shutil.copytree(sharded, tmp_path / "out"))
     shutil.copytree(out / "last.dcp", out / TMP)
     (out / TMP / ".metadata").unlink()
@@ -387,6 +390,8 @@ def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(char_data, sha
     assert f"resuming from {out / 'previous.dcp'} at step 12" in ran.stdout
     assert ckpt(out, "last.dcp")["step"] == 16 and ckpt(out, "previous.dcp")["step"] == 12
     assert synced and all(synced)  # (every save's commit)
+    parts = {p.name for p in (out / "last.dcp").iterdir() if p.suffix == ".distcp"}
+    assert parts and parts | {".metadata.tmp"} <= files  # (DCP's sync_files; .metadata is written, synced, renamed)
 
 
 def test_a_sharded_checkpoint_of_another_shape_is_refused(char_data, sharded, tmp_path, script):

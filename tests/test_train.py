@@ -13,10 +13,13 @@ from errors import ConfigError
 from harness import EXPECTED_FILES, ckpt, metrics, python, raising, tiny_args, train_here
 
 
-def test_single_process_run_lowers_val_loss(char_data, tmp_path):
-    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+def test_single_process_run_lowers_val_loss(char_data, tmp_path, monkeypatch):
+    import train
+    handlers, picks, pick = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)), [], train.eval_starts
+    monkeypatch.setattr(train, "eval_starts", lambda tokens, block, n: picks.append(n) or pick(tokens, block, n))
     train_here(char_data, tmp_path, max_iters=60, eval_interval=30, log_interval=25, peak_flops=1e9)
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # the run's are gone
+    assert picks == [4 * 8, 4 * 8]  # eval_iters x global_batch_size windows of each split, whatever batch_size is
     evals = [r for r in metrics(tmp_path) if "val_loss" in r]
     assert [(r["step"], r["tokens_seen"]) for r in evals] == [(0, 0), (30, 30 * 8 * 16), (60, 60 * 8 * 16)]
     assert [r["step"] for r in metrics(tmp_path) if "loss" in r] == [25, 50, 60]  # and the last step's
@@ -182,7 +185,8 @@ def test_without_always_save_an_eval_saves_when_it_improves_at_the_end_and_at_a_
     results, main, code = [], train.main, 0
     monkeypatch.setattr(train, "main", lambda cfg: results.append(main(cfg)) or results[0])
     try:
-        train.cli(tiny_args(char_data, tmp_path, max_iters=10, eval_interval=4, always_save_checkpoint=False))
+        train.cli(tiny_args(char_data, tmp_path, max_iters=10, eval_interval=4, always_save_checkpoint=False,
+                            log_interval=5))  # (a single process stops at once, not at its next log step)
     except SystemExit as e:  # a stopped run ends as the signal would have ended it, once saved
         code = e.code
     assert (results[0]["step"], results[0]["stopped"], code) == \
@@ -556,7 +560,7 @@ def test_the_ranks_agree_on_a_stop_about_every_2_seconds_and_every_slow_step(mon
         agree, due, clock[0] = collectives.Agreement(World(size=size), step=0), [], 0.0
         for step in range(1, 30):
             clock[0] += 0.01 if step < 20 else 3.5
-            signum = signal.SIGTERM if step >= (29 if size == 2 else 25) else 0
+            signum = signal.SIGTERM if step >= (12 if size == 2 else 25) else 0  # (2 ranks: only at their agreements)
             if agree.due(step, signum):
                 due.append(step)
                 problems = ["bad", None] if size == 1 else [None]  # (a message would travel in other collectives)
@@ -568,5 +572,6 @@ def test_the_ranks_agree_on_a_stop_about_every_2_seconds_and_every_slow_step(mon
     monkeypatch.setattr(collectives.dist, "all_reduce", lambda votes, op: votes.add_(other))
     agree = collectives.Agreement(World(size=2), step=0)
     assert agree(torch.tensor(2.5), 0, [None], 1) == (2.5, signal.SIGTERM, [None])
+    assert agree(torch.tensor(2.5), signal.SIGINT, [None], 2) == (2.5, signal.SIGTERM, [None])  # SIGTERM's, when both
     alone = collectives.Agreement(World(), step=4)  # between its agreements, a single process stops on either
     assert [alone.due(4, s) for s in (0, signal.SIGTERM, signal.SIGINT)] == [False, True, True]
