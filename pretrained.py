@@ -44,8 +44,7 @@ def gpt2_from_hf(hf_state, model, positions: int = None):
 
     The position table (of `positions` rows, config.json's n_positions, when given) is cropped to
     model's block_size and the token rows padded to its padded vocabulary. Raises ValueError
-    naming the first tensor that is missing, extra or of another shape.
-    """
+    naming the first tensor that is missing, extra, of another shape, or not finite floats."""
     expected = model.state_dict()
     got = {}
     for name, tensor in hf_state.items():
@@ -77,8 +76,9 @@ def gpt2_from_hf(hf_state, model, positions: int = None):
             raise ValueError(f"{name} has shape {tuple(got[name].shape)} in the GPT-2 weights, but "
                              f"{tuple(expected[name].shape)} in a GPT of n_layer={cfg.n_layer}, "
                              f"n_head={cfg.n_head}, n_embd={cfg.n_embd}, vocab_size={cfg.vocab_size}")
-        if not torch.isfinite(got[name]).all():  # (a run's checkpoint is checked so too: load_model)
-            raise ValueError(f"{name} holds NaN or inf in the GPT-2 weights: a damaged file; fetch or export it again")
+        if not got[name].is_floating_point() or not torch.isfinite(got[name]).all():  # (and a run's: load_model)
+            raise ValueError(f"{name} holds NaN or inf, or no floats, in the GPT-2 weights: a damaged file; fetch or "
+                             f"export it again")
     state = {name: got[name].to(torch.float32).contiguous() for name in expected if name in names}
     state["lm_head.weight"] = state["transformer.wte.weight"]
     return state

@@ -161,8 +161,8 @@ def meta_from_shards(data_dir, needed=("train", "val")) -> dict:
     needs only val's: llm.c's fineweb_val_000000.bin alone, say)."""
     data_dir = Path(data_dir)
     files = sorted(p for p in data_dir.iterdir() if is_loose_shard(p))
-    splits = {"train": [p for p in files if "train" in p.name],
-              "val": [p for p in files if "val" in p.name and "train" not in p.name]}
+    later = lambda p: max(("train", "val"), key=p.name.rfind)  # (retrieval_train_0.bin trains, pretrain_val_0 not)
+    splits = {split: [p for p in files if later(p) == split] for split in ("train", "val")}
     for split in needed:
         if not splits[split]:
             raise ValueError(f"{data_dir} has no meta.json and no *{split}*.bin shard: a folder of pre-tokenized "

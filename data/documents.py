@@ -48,6 +48,9 @@ def readable_parquet(path: Path):
     """pyarrow's errors (a file cut short, or damaged inside) as one line naming the file."""
     try:
         yield
+    except UnicodeDecodeError as e:  # a string column's bytes are not checked when written (it read as damaged)
+        raise ValueError(f"{path}: a document in its 'text' column is not UTF-8 ({e.reason}, byte "
+                         f"0x{e.object[e.start]:02x}): give the documents as UTF-8 text") from None
     except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid is a ValueError; its text may end in a newline
         raise ValueError(f"{path} is not a readable parquet file ({first_line(e)})") from None
 

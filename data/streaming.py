@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data.documents import Source, read_documents
-from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_META, PROGRESS, load_meta, write_shard
+from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_META, PROGRESS, is_loose_shard, load_meta, write_shard
 from data.corpora import prepare_parser
 from data.files import atomic_write_bytes, preparing, read_json
 from data.tokenizers import gpt2_encoding
@@ -102,6 +102,8 @@ class ShardStream:
     def _write(self, doc: int, used: int, on_shard):
         split = self.split_of_shard(len(self.shards))
         name = f"{self.prefix}_{split}_{len(self.shards):06d}.bin"
+        if not (self.out_dir / PROGRESS).is_file():  # (the first shard: killed after it, a prepare under way)
+            on_shard()
         sha = write_shard(self.out_dir / name, self.buffer[:self.filled])
         self.shards.append({"file": name, "split": split, "tokens": self.filled, "sha256": sha})
         self.resume, self.filled = (doc, used), 0
@@ -172,6 +174,9 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
         if (meta := finished(out_dir, settings)) is not None:
             return meta
         progress = read_progress(out_dir, settings, every_file=counts is not None)  # (openwebtext's split counts all)
+        if not (out_dir / PROGRESS).is_file() and any(map(is_loose_shard, out_dir.iterdir())):  # (llm.c's names)
+            raise ValueError(f"{out_dir} holds token shards no prepare of this repo is writing (no {PROGRESS}): they "
+                             f"train as they are (docs/data.md); choose another --out_dir to prepare anew")
         streams = {name: ShardStream(out_dir, prefix, shard_tokens, split_of_shard[name],
                                      progress["streams"].get(name)) for name in split_of_shard}
         counts = list(counts or progress["counts"])  # documents per file, as far as known

@@ -309,7 +309,10 @@ def test_a_character_dataset_cannot_take_gpt2_weights(tmp_path, char_data, hf_fo
 
 @pytest.mark.parametrize("damage, message", [(lambda state: state.pop("transformer.ln_f.bias"), "lack transformer.ln_f.bias"),
                                              (lambda state: state["transformer.ln_f.weight"][3:4].fill_(float("nan")),
-                                              "transformer.ln_f.weight holds NaN or inf in the GPT-2 weights")])
+                                              "transformer.ln_f.weight holds NaN or inf, or no floats, in the GPT-2"),
+                                             (lambda state: state.update({"transformer.ln_f.weight": state[  # (0 or 1)
+                                                 "transformer.ln_f.weight"].bool()}),
+                                              "transformer.ln_f.weight holds NaN or inf, or no floats, in the GPT-2")])
 def test_a_damaged_folder_is_one_line_on_every_launcher(tmp_path, bpe_data, hf_folder, fails_with, damage, message):
     """(NaN weights once trained into "the validation loss is nan", sampled into a traceback, and scored;
     one NaN among the values is enough)"""

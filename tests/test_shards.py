@@ -212,7 +212,7 @@ def write_llm_c_shard(path: Path, tokens, magic=20240520, version=1, dtype=np.ui
         f.write(np.asarray(tokens, dtype=dtype).tobytes())
 
 
-def test_shards_from_another_writer_train_as_they_are(tmp_path, monkeypatch):
+def test_shards_from_another_writer_train_as_they_are(tmp_path, monkeypatch, script):
     data = tmp_path / "pretokenized"  # no meta.json: read as GPT-2 BPE tokens
     data.mkdir()
     rng = np.random.default_rng(0)
@@ -225,6 +225,15 @@ def test_shards_from_another_writer_train_as_they_are(tmp_path, monkeypatch):
     assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 50257 and meta["train_tokens"] == 10000
     assert sorted(p.name for p in data.iterdir()) == ["mini_train_000001.bin", "mini_train_000002.bin",
                                                       "mini_val_000000.bin"]  # nothing written there
+    # a prepare pointed at them (to get a meta.json, say) wrote its shards over theirs: llm.c's names are its own
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    (tmp_path / "c.jsonl").write_text("".join(f'{{"text": "hello world {i}"}}\n' for i in range(300)))
+    proc = script("data/fineweb/prepare.py", f"--input={tmp_path / 'c.jsonl'}", f"--out_dir={data}", "--workers=1",
+                  "--shard_tokens=500")
+    assert proc.returncode == 2 and proc.stderr == (
+        f"error: {data} holds token shards no prepare of this repo is writing (no .progress.json): they train as "
+        f"they are (docs/data.md); choose another --out_dir to prepare anew\n"), proc.stderr
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before
     write_llm_c_shard(tmp_path / "wide.bin", [70000, 1], magic=20240801, version=7, dtype=np.uint32)
     assert read_shard_header(tmp_path / "wide.bin") == ("uint32", 2)
     nano = tmp_path / "nanogpt"  # nanoGPT's train.bin and val.bin: bare uint16 GPT-2 ids, no meta.json
@@ -333,6 +342,9 @@ def damaged_footer(folder: Path):
     (lambda d: pq.write_table(pa.table({"content": ["x"]}), d / "c.parquet"), "c.parquet has no 'text' column"),
     (lambda d: pq.write_table(pa.table({"text": [1, 2]}), d / "c.parquet"),
      "c.parquet: its 'text' column holds int64, not strings"),
+    (lambda d: pq.write_table(pa.table({"text": pa.Array.from_buffers(pa.string(), 2, pa.array(
+        [b"ok", b"\xff\xfe bad"], pa.binary()).buffers())}), d / "c.parquet"),  # (pyarrow writes what it is given)
+     "c.parquet: a document in its 'text' column is not UTF-8 (invalid start byte, byte 0xff): give the documents"),
     (lambda d: pq.write_table(pa.table([["a"], ["b"]], names=["text", "text"]), d / "c.parquet"),
      "c.parquet has 2 'text' columns"),
     (lambda d: (d / "c.parquet").write_bytes(b"PAR1 cut short"), "c.parquet is not a readable parquet file ("),
@@ -654,7 +666,13 @@ def a_pipe_named_as_a_shard(d):
 
 
 def test_a_train_shard_whose_name_holds_val_is_not_validated_on(tmp_path):
-    """("retrieval" holds "val": validation must not read training data.)"""
+    """("retrieval" holds "val": validation must not read training data; "pretrain" holds "train".)"""
+    (tmp_path / "pre").mkdir()
+    write_llm_c_shard(tmp_path / "pre" / "pretrain_val_000000.bin", np.arange(3000))
+    write_llm_c_shard(tmp_path / "pre" / "pretrain_train_000001.bin", np.arange(5000))
+    shards = meta_from_shards(tmp_path / "pre")["shards"]  # (its val shard was read as training data)
+    assert [[e["file"] for e in shards[s]] for s in ("train", "val")] == [["pretrain_train_000001.bin"],
+                                                                          ["pretrain_val_000000.bin"]]
     write_llm_c_shard(tmp_path / "retrieval_train_000000.bin", np.arange(5000))
     write_llm_c_shard(tmp_path / "retrieval_val_000000.bin", np.arange(3000))
     shards = meta_from_shards(tmp_path)["shards"]
