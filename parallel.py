@@ -80,7 +80,8 @@ def _summed(_, bucket):
 def wrap(model, raw_model, world: World):
     """What trains: DDP around the (compiled) model when ddp has several ranks."""
     if world.size > 1 and not is_fsdp(raw_model):
-        model = DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+        model = DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)  # (not a copy of every gradient in its buckets: 4 bytes a parameter)
         model.register_comm_hook(None, _summed)
     return model
 

@@ -93,12 +93,25 @@ def test_float16_skips_the_same_overflowing_steps_on_any_world_size(char_data, t
 # --- point 2: one gradient all-reduce per optimizer step ------------------------------------
 
 def _count_allreduces(rank):
-    """Patch DDP's gradient hook (parallel._summed) so every bucket all-reduce is counted into $COUNT_FILE.rank."""
+    """Patch DDP's gradient hook (parallel._summed) so every bucket all-reduce is counted into $COUNT_FILE.rank,
+    and whether the gradients it sums are its bucket itself (1) or tensors of their own (0) into .views.rank;
+    whether each optimizer step leaves them in place (zeroed) for the next, into .kept.rank."""
     import os
-    path, summed = Path(os.environ["COUNT_FILE"] + f".{rank}"), parallel._summed
+    path, summed, step = Path(os.environ["COUNT_FILE"] + f".{rank}"), parallel._summed, train.optimizer_step
+
+    def recording_step(run, sync=True):
+        done = step(run, sync)
+        with open(f"{path}.kept", "a") as f:
+            f.write(str(int(all(p.grad is not None and not p.grad.any() for p in run.raw_model.parameters()))))
+        return done
+    train.optimizer_step = recording_step
 
     def counting_hook(state, bucket):
         path.write_text(str(int(path.read_text() or 0) + 1) if path.exists() else "1")
+        storage = bucket.buffer().untyped_storage().data_ptr()
+        with open(f"{path}.views", "a") as f:
+            f.write(str(int(all(p.grad is not None and p.grad.untyped_storage().data_ptr() == storage
+                                for p in bucket.parameters()))))
         return summed(state, bucket)
     parallel._summed = counting_hook
 
@@ -114,6 +127,10 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(char_data, tmp_path, 
     run_world(2, args, tmp_path / "results", patch=_count_allreduces)
     counts = [int((tmp_path / f"allreduces.{r}").read_text()) for r in range(2)]
     assert counts == [3, 3]  # a 0.03M-parameter model fits one bucket: one call per step
+    views = [(tmp_path / f"allreduces.{r}.views").read_text() for r in range(2)]
+    kept = [(tmp_path / f"allreduces.{r}.kept").read_text() for r in range(2)]
+    # no copy of every gradient beside DDP's buckets (4 bytes a parameter), also in no_sync's micro-steps
+    assert views == kept == ["111", "111"], (views, kept)
 
 
 def test_ranks_on_one_host_share_its_cores(monkeypatch):

@@ -117,7 +117,8 @@ def test_a_step_seeds_dropout_from_the_seed_this_rank_and_this_step(monkeypatch)
     monkeypatch.setattr(train, "accumulate_gradients", lambda *args: seeds.append(torch.initial_seed()) or 0.0)
     weight = torch.nn.Parameter(torch.zeros(1))
     run = Namespace(cfg=Namespace(dropout=0.1, seed=5, grad_clip=0), step=11,
-                    world=Namespace(rank=3, local_rank=1, accum=1, size=4), model=None, raw_model=None, loader=None,
+                    world=Namespace(rank=3, local_rank=1, accum=1, size=4, strategy="ddp"), model=None,
+                    raw_model=None, loader=None,
                     autocast=None, optimizer=torch.optim.SGD([weight]), scaler=torch.amp.GradScaler("cpu", enabled=False))
     train.optimizer_step(run)
     assert seeds == [train.dropout_seed(5, 3, 11)]
