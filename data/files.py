@@ -74,7 +74,9 @@ def write_temp(path: Path, write) -> Path:
 def why_unreadable(path):
     """'is a folder' or 'does not exist' for a path given as a file to read; None when it reads (a file or
     a pipe: /dev/stdin, <(zcat ...))."""
-    return "is a folder" if Path(path).is_dir() else None if Path(path).exists() else "does not exist"
+    return "is a folder" if Path(path).is_dir() else None if Path(path).exists() else "does not exist" + (
+        " (a shell's <(...) pipe reaches the program it started, not torchrun's workers: give a file)"
+        * str(path).startswith("/dev/fd/"))
 
 
 def not_a_folder(path):
