@@ -774,17 +774,19 @@ def test_an_out_dir_in_a_sharded_checkpoint_or_a_dataset_or_model_folder_is_refu
     in a dataset's folder, the run wrote its meta.json over the dataset's (also one it prepared there itself,
     then refused to resume); in a Hugging Face model's (an in-place fine-tune), its config.json over the model's."""
     (tmp_path / "run" / "last.dcp").mkdir(parents=True)
-    data, model = shutil.copytree(char_data, tmp_path / "data"), tmp_path / "gpt2-mine"
-    model.mkdir()
-    (model / "config.json").write_text('{"model_type": "gpt2"}')
-    (model / "model.safetensors").write_bytes(b"weights")
-    before = {p.name: p.read_bytes() for folder in (data, model) for p in folder.iterdir()}
+    data, model, older = shutil.copytree(char_data, tmp_path / "data"), tmp_path / "gpt2-mine", tmp_path / "gpt2-bin"
+    for folder, weights in ((model, "model.safetensors"), (older, "pytorch_model.bin")):  # (transformers' older)
+        folder.mkdir()
+        (folder / "config.json").write_text('{"model_type": "gpt2"}')
+        (folder / weights).write_bytes(b"weights")
+    before = {p: p.read_bytes() for folder in (data, model, older) for p in folder.iterdir()}
     for out, why in ((tmp_path / "run" / "last.dcp" / "sub", f"inside the checkpoint {tmp_path / 'run' / 'last.dcp'}, "
                                                              f"which a save replaces"),
                      (tmp_path / "run" / "last.dcp", f"inside the checkpoint {tmp_path / 'run' / 'last.dcp'}, "
                                                      f"which a save replaces"),  # (itself: it was taken)
                      (data, "a dataset folder, whose meta.json the run writes"),
-                     (model, "a Hugging Face model's folder, whose config.json the run writes")):
+                     (model, "a Hugging Face model's folder, whose config.json the run writes"),
+                     (older, "a Hugging Face model's folder, whose config.json the run writes")):
         proc = script("train.py", *tiny_args(char_data, out))
         assert proc.returncode == 2 and proc.stderr == f"error: {out} is {why}: choose another --out_dir\n", proc.stderr
     new = tmp_path / "new"
@@ -793,7 +795,7 @@ def test_an_out_dir_in_a_sharded_checkpoint_or_a_dataset_or_model_folder_is_refu
                                                     f"writes: choose another --out_dir\n"), proc.stderr
     assert resolve([f"--data_dir={new}", f"--out_dir={new}"])  # (eval.py and bench.py write no out_dir: theirs)
     assert not (tmp_path / "run" / "last.dcp" / "sub").exists() and not new.exists()
-    assert {p.name: p.read_bytes() for folder in (data, model) for p in folder.iterdir()} == before
+    assert {p: p.read_bytes() for folder in (data, model, older) for p in folder.iterdir()} == before
 
 
 def test_a_new_out_dir_deleted_under_a_failing_run_leaves_its_own_error(tmp_path):

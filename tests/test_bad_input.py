@@ -263,6 +263,7 @@ SCALER = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_inter
     ({"loader": {"epoch": 0, "position": 3}}, "a position that is a multiple of global_batch_size"),
     ({"loader": {"epoch": 0, "position": -8}}, "a position that is a multiple of global_batch_size"),  # (a multiple)
     ({"loader": {"epoch": -5, "position": 0}}, "is not an epoch (-1 before the first)"),  # once numpy's error
+    ({"loader": {"epoch": -2, "position": 0}}, "is not an epoch (-1 before the first)"),  # (the first one refused)
     ({"optimizer": {}}, "optimizer is not AdamW's state of two parameter groups"),
     # once a heap corruption (fused AdamW wrote past the end), and a resume with fresh moments
     (lambda ck: ck["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)), "optimizer is not AdamW's state"),
@@ -270,6 +271,7 @@ SCALER = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_inter
     # AdamW's step: once a traceback from inside the first update
     (lambda ck: ck["optimizer"]["state"][0].update(step=torch.tensor([1.0, 2.0])), "optimizer is not AdamW's state"),
     (lambda ck: ck["optimizer"]["state"][1].update(step=torch.tensor(float("nan"))), "optimizer is not AdamW's"),
+    (lambda ck: ck["optimizer"]["state"][1].update(step=torch.tensor(-1.0)), "optimizer is not AdamW's"),  # (NaN loss)
     ({"model": {}}, "model weight transformer.wte.weight is missing, not this model's, or of another shape"),
     (lambda ck: ck["model"].update(extra=torch.zeros(1)), "model weight extra is missing, not this model's"),
     ({"val_loss": torch.tensor(1.0)}, "a value beside the tensors is not plain data"),  # broken JSON for rank 1

@@ -164,6 +164,9 @@ def test_old_files_without_the_transformer_prefix_load(tmp_path):
     hf = hf_model(seed=5)
     hf.config.save_pretrained(tmp_path)
     state = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    for i in range(hf.config.n_layer):  # the causal mask buffers older transformers saved with the weights
+        state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 16, 16, dtype=torch.bool))
+        state[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
     safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"))
     x = ids()
     assert (full_logits(pretrained.load_gpt(str(tmp_path)), x) - hf_logits(hf, x)).abs().max().item() < 1e-5

@@ -150,7 +150,8 @@ def test_a_signal_whose_exception_was_lost_still_ends_the_process(signum):
     assert (proc.returncode, proc.stdout, proc.stderr) == (128 + signum, "", f"error: {interrupted(signum)}\n")
 
 
-def test_a_signal_whose_exception_was_caught_still_ends_the_process():
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_whose_exception_was_caught_still_ends_the_process(signum):
     """(DCP's load caught every rank's exception, Ctrl-C's and SIGTERM's too: the resume went on from another
     checkpoint, to exit 0; a library that does so elsewhere is not stopped by the process's own code)"""
     code = (f"import sys, time\nsys.path.insert(0, {str(REPO)!r})\nfrom errors import signals_unwind\n"
@@ -158,9 +159,9 @@ def test_a_signal_whose_exception_was_caught_still_ends_the_process():
             f"    except BaseException:\n        pass\n    print('went on', flush=True)\n    time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout.readline() == "ready\n"
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=30)
-    assert (proc.returncode, out, err) == (128 + signal.SIGTERM, "went on\n", "error: interrupted (SIGTERM)\n")
+    assert (proc.returncode, out, err) == (128 + signum, "went on\n", f"error: {interrupted(signum)}\n")
 
 
 def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(char_data, tmp_path, uninterrupted):

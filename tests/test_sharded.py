@@ -394,6 +394,16 @@ def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(char_data, sha
     assert parts and parts | {".metadata.tmp"} <= files  # (DCP's sync_files; .metadata is written, synced, renamed)
 
 
+def test_a_sharded_checkpoint_holds_the_tied_embedding_once_and_newest_step_is_lasts(sharded):
+    import checkpoint
+    import sharded as module
+    keys = module.parts(sharded / "last.dcp")[1].state_dict_metadata  # (GPT-2 124M's lm_head: 150 MB a save)
+    assert "model.transformer.wte.weight" in keys and "model.lm_head.weight" not in keys
+    steps = [ckpt(sharded, f"{name}.dcp")["step"] for name in ("last", "previous")]
+    assert steps[0] > steps[1] and [checkpoint.newest_step([sharded / f"{a}.dcp", sharded / f"{b}.dcp"]) for a, b in (
+        ("last", "previous"), ("previous", "last"))] == [steps[0]] * 2  # (rank 0's: another host's must not be newer)
+
+
 def test_a_sharded_checkpoint_of_another_shape_is_refused(char_data, sharded, tmp_path, script):
     out = Path(shutil.copytree(sharded, tmp_path / "out"))
     ran = script("train.py", *tiny_args(char_data, out, resume="auto", n_embd=64, **SAME))
@@ -407,16 +417,20 @@ def test_a_save_before_the_first_step_counts_no_adamw_step():
     import parallel
     from model import GPT, GPTConfig
     torch.manual_seed(0)
-    models = [GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=16)) for _ in range(2)]
-    models[1].load_state_dict(models[0].state_dict())
+    models = [GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=16)) for _ in range(3)]
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, fused=False) for m in models]
     tensors, _ = parallel.sharded_state(models[0], optimizers[0])  # saved before any step
     assert tensors["optimizer"] and all(float(s["step"]) == 0 for s in tensors["optimizer"].values())
+    # as full_state saves a file under FSDP: its gathered copies are not the optimizer's own step tensors
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    parallel.optimizer_state(models[2], optimizers[2], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     x = torch.randint(0, 16, (2, 4))
     for model, optimizer in zip(models, optimizers):
         model(x, x)[1].backward()
         optimizer.step()
-    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(*(m.parameters() for m in models)))
 
 
 def test_a_read_while_a_run_replaces_the_folder_reads_one_whole_checkpoint(sharded, tmp_path, monkeypatch):
@@ -435,6 +449,19 @@ def test_a_read_while_a_run_replaces_the_folder_reads_one_whole_checkpoint(shard
     read = sharded_py.read(out / "last.dcp", tensors=True)
     assert commits and read["step"] == whole["previous.dcp"]["step"] == 8
     assert all(torch.equal(read["model"][k], w) for k, w in whole["previous.dcp"]["model"].items())
+    # a read that failed as the folder was replaced ("a part is missing") reads the new one, not "unreadable"
+    monkeypatch.undo()
+    shutil.rmtree(out)
+    out = Path(shutil.copytree(sharded, tmp_path / "out"))
+    _read, failed = sharded_py._read, []
+
+    def failed_meanwhile(path, tensors):
+        if not failed:
+            failed.append(os.replace(out / "last.dcp", out / "old.dcp") or os.replace(out / "previous.dcp", path))
+            raise sharded_py.UnreadableCheckpoint(f"cannot read checkpoint {path}: a part is missing")
+        return _read(path, tensors)
+    monkeypatch.setattr(sharded_py, "_read", failed_meanwhile)
+    assert failed == [] and sharded_py.read(out / "last.dcp", tensors=True)["step"] == 8 and failed
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
