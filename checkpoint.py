@@ -258,10 +258,10 @@ def malformed(ckpt: dict, model_args: dict, cfg: Config):
             return "param_groups are not AdamW's two groups of this model's parameters"
         return None
     expected, weights = model.state_dict(), ckpt["model"] if isinstance(ckpt["model"], dict) else {}
-    wrong = [k for k, v in expected.items() if not isinstance(weights.get(k), torch.Tensor)
-             or weights[k].shape != v.shape] + sorted(map(str, set(weights) - set(expected)))
+    wrong = [k for k, v in expected.items() if not isinstance(weights.get(k), torch.Tensor) or weights[k].shape
+             != v.shape or not weights[k].is_floating_point()] + sorted(map(str, set(weights) - set(expected)))
     if wrong:
-        return f"model weight {wrong[0]} is missing, not this model's, or of another shape"
+        return f"model weight {wrong[0]} is missing, not this model's, or of another shape or no floats"
     optimizer, shapes = ckpt["optimizer"], [shape for g in groups for _, shape in g]
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     positions = [list(range(len(groups[0]))), list(range(len(groups[0]), len(shapes)))]

@@ -22,7 +22,7 @@ import torch
 
 from config import REPO, Config
 from data.dataset import Shard, check_token_files, has_tokens, load_meta, other_source, split_shards, text_sha256
-from data.files import allow_open_files, preparing
+from data.files import allow_open_files, preparing, why_unreadable
 from errors import BadTokenId, ConfigError, out_of_memory
 from collectives import agree_or_raise, differs_from_rank0
 
@@ -139,10 +139,15 @@ class ShardedTokenLoader:
         self.epoch, self.position = epoch, position
 
 
-def token_splits(cfg: Config, meta: dict, splits=("train", "val")) -> dict:
-    """The dataset's train and val splits (or those in `splits`), each over its shards."""
+def token_splits(cfg: Config, meta: dict, splits=("train", "val"), world=None) -> dict:
+    """The dataset's train and val splits (or those in `splits`), each over its shards. With `world`, its
+    ranks agree on an open-file limit too low (eval.py's agree later, with all they check)."""
     shards = split_shards(dataset_dir(cfg), meta, splits)
-    allow_open_files(sum(len(s) for s in shards.values()))  # (each shard's memory map keeps a descriptor)
+    problem = allow_open_files(sum(len(s) for s in shards.values()))  # (each shard's memory map keeps a descriptor)
+    if world is not None:
+        agree_or_raise(problem, world)
+    if problem:
+        raise ConfigError(problem)
     return {split: Tokens(shards[split], meta["vocab_size"]) for split in splits}
 
 
@@ -223,8 +228,8 @@ class Dataset:
                               f"only into a new or empty folder: check --data_dir, or prepare it there yourself "
                               f"({command})")
         if cfg.prepare_input and not Path(cfg.prepare_input).exists():  # (a pipe reads; a folder is refused there)
-            raise ConfigError(f"prepare_input {cfg.prepare_input} does not exist: the dataset in "
-                              f"{self.dir} is missing and would be prepared from it")
+            raise ConfigError(f"prepare_input {cfg.prepare_input} {why_unreadable(cfg.prepare_input)}: the dataset "
+                              f"in {self.dir} is missing and would be prepared from it")
 
     def ready(self, world) -> dict:
         """The checked meta on every rank. Each host's local rank 0 prepares missing data; every

@@ -312,8 +312,8 @@ def load_model(out_dir: Path, device, prefer: str = "best") -> tuple:
             config = GPTConfig(**ckpt["model_args"])  # (its dropout: eval mode applies none; an export records it)
             if problem := config.size_problem(ckpt["model"]):
                 raise ValueError(problem)
-            if not all(torch.isfinite(w).all() for w in ckpt["model"].values()):  # (rewritten by other code)
-                raise ValueError("its weights hold NaN or inf")
+            if not all(w.is_floating_point() and torch.isfinite(w).all() for w in ckpt["model"].values()):
+                raise ValueError("its weights hold NaN or inf, or no floats")  # (rewritten by other code)
             model = GPT(config)
             model.load_state_dict(ckpt["model"])
             vocab = ckpt.get("vocab", {})  # (older files hold none)

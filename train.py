@@ -216,7 +216,7 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
     fused = world.strategy == "ddp" or world.dtype != torch.float16
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                                world.device.type, fused)
-    splits = token_splits(cfg, meta)
+    splits = token_splits(cfg, meta, world=world)
     n_eval = cfg.eval_iters * cfg.global_batch_size  # not per rank: the same windows for any launch
     run = Run(cfg=cfg, world=world, raw_model=raw_model, model=raw_model, optimizer=optimizer,
               scaler=parallel.make_scaler(world), model_args=model_args,

@@ -15,9 +15,10 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import suppress
 from pathlib import Path
 
-from errors import DISK_FULL, ConfigError
+from errors import DISK_FULL
 
 
 def cache_dir() -> Path:
@@ -75,7 +76,7 @@ def why_unreadable(path):
     """'is a folder' or 'does not exist' for a path given as a file to read; None when it reads (a file or
     a pipe: /dev/stdin, <(zcat ...))."""
     return "is a folder" if Path(path).is_dir() else None if Path(path).exists() else "does not exist" + (
-        " (a shell's <(...) pipe reaches the program it started, not torchrun's workers: give a file)"
+        " (a shell's <(...) pipe reaches the program it started, not a launcher's workers: give a file)"
         * str(path).startswith("/dev/fd/"))
 
 
@@ -155,16 +156,20 @@ def tensor_bytes(obj) -> int:
     return sum(tensor_bytes(v) for v in values)
 
 
-def allow_open_files(n: int) -> None:
+def allow_open_files(n: int):
     """Raise this process's open-file limit (ulimit -n's soft one) for n more descriptors, as far as its hard
-    one allows: each memory-mapped shard keeps one (FineWeb's 100B tokens are 1,000 shards, shells give 1,024)."""
+    one allows: each memory-mapped shard keeps one (FineWeb's 100B tokens are 1,000 shards, shells give 1,024).
+    Returns why the hard limit is too low, or None."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = len(os.listdir("/dev/fd")) + n + 256  # (256: torch's, gloo's and the checkpoints' own, if there is room)
-    if hard != resource.RLIM_INFINITY and need - 224 > hard:
-        raise ConfigError(f"{n:,} token shards need about {need - 256:,} open files, and ulimit -Hn allows {hard:,}: "
-                          f"raise it, or prepare fewer, larger shards (prepare.py --shard_tokens)")
-    if soft != resource.RLIM_INFINITY and soft < need:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard) if hard != resource.RLIM_INFINITY else need, hard))
+    need = len(os.listdir("/dev/fd")) + n + 32  # (32 at the least for torch's, gloo's and the checkpoints' own)
+    if hard != resource.RLIM_INFINITY and need > hard:
+        return (f"{n:,} token shards need about {need:,} open files, and ulimit -Hn allows {hard:,}: raise it, or "
+                f"prepare fewer, larger shards (prepare.py --shard_tokens)")
+    if soft != resource.RLIM_INFINITY and soft < need + 224:  # (room to spare, where there is room)
+        with suppress(ValueError, OSError):  # (macOS caps an infinite hard limit at kern.maxfilesperproc)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(need + 224, hard) if hard != resource.RLIM_INFINITY
+                                                        else need + 224, hard))
+    return None
 
 
 def disk_full(e: BaseException, folder: Path, need: int):

@@ -174,9 +174,6 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
         if (meta := finished(out_dir, settings)) is not None:
             return meta
         progress = read_progress(out_dir, settings, every_file=counts is not None)  # (openwebtext's split counts all)
-        if not (out_dir / PROGRESS).is_file() and any(map(is_loose_shard, out_dir.iterdir())):  # (llm.c's names)
-            raise ValueError(f"{out_dir} holds token shards no prepare of this repo is writing (no {PROGRESS}): they "
-                             f"train as they are (docs/data.md); choose another --out_dir to prepare anew")
         streams = {name: ShardStream(out_dir, prefix, shard_tokens, split_of_shard[name],
                                      progress["streams"].get(name)) for name in split_of_shard}
         counts = list(counts or progress["counts"])  # documents per file, as far as known
@@ -273,9 +270,15 @@ def recorded(settings: dict, prefix: str, shard_tokens: int, source: Source = No
 
 def finished(out_dir, settings: dict):
     """meta.json of a prepare that finished in out_dir, or None. Checked: the same `settings` (those
-    given, recorded()'s) and its shards in place; other settings would overwrite it."""
+    given, recorded()'s) and its shards in place; other settings would overwrite it, as would any
+    prepare another writer's shards (refused before a file is read or downloaded)."""
     out_dir = Path(out_dir)
-    if not (out_dir / "meta.json").is_file() or (out_dir / PROGRESS).is_file():
+    if (out_dir / PROGRESS).is_file():
+        return None
+    if not (out_dir / "meta.json").is_file():  # its shards would go over another writer's (llm.c's names)
+        if out_dir.is_dir() and any(map(is_loose_shard, out_dir.iterdir())):
+            raise ValueError(f"{out_dir} holds token shards no prepare of this repo is writing (no {PROGRESS}): they "
+                             f"train as they are (docs/data.md); choose another --out_dir to prepare anew")
         return None
     meta = load_meta(out_dir, fix=f"remove {out_dir} and prepare again")
     other = differs(meta.get("prepared_with"), settings) if "shards" in meta else "not as shards"

@@ -246,6 +246,8 @@ CASES = [
      r"data holds a dataset made from .*input_text\.txt, not from prepare_input .*other\.txt: leave --prepare_in"),
     ("prepare_input missing", ["--prepare_input=no/such/corpus.txt"], lambda d, m: shutil.rmtree(d),
      r"prepare_input no/such/corpus\.txt does not exist: the dataset in .*data is missing"),
+    ("prepare_input a pipe a launcher's worker lacks", ["--prepare_input=/dev/fd/1023"], lambda d, m: shutil.rmtree(d),
+     r"prepare_input /dev/fd/1023 does not exist \(a shell's <\(\.\.\.\) pipe reaches the program it started, not a "),
     ("unfinished streaming preparation", [], lambda d, m: (d / "meta.json").rename(d / ".progress.json"),
      r"data holds an unfinished preparation \(\.progress\.json and no meta\.json\): run the dataset's prepare\.py"),
     ("meta.json not JSON", [], lambda d, m: (d / "meta.json").write_text("{\"vocab_size\": "),

@@ -273,6 +273,8 @@ SCALER = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_inter
     (lambda ck: ck["optimizer"]["state"][1].update(step=torch.tensor(float("nan"))), "optimizer is not AdamW's"),
     (lambda ck: ck["optimizer"]["state"][1].update(step=torch.tensor(-1.0)), "optimizer is not AdamW's"),  # (NaN loss)
     ({"model": {}}, "model weight transformer.wte.weight is missing, not this model's, or of another shape"),
+    (lambda ck: ck["model"].update({"transformer.ln_f.weight": ck["model"]["transformer.ln_f.weight"].bool()}),
+     "model weight transformer.ln_f.weight is missing, not this model's, or of another shape or no floats"),
     (lambda ck: ck["model"].update(extra=torch.zeros(1)), "model weight extra is missing, not this model's"),
     ({"val_loss": torch.tensor(1.0)}, "a value beside the tensors is not plain data"),  # broken JSON for rank 1
     ({"scaler": {"scale": "x"}}, "the scaler's state {'scale': 'x'} is not one"),  # float16: once a traceback

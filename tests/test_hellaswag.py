@@ -240,7 +240,7 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
     assert "does not exist" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path / "nowhere.jsonl"], capsys)
     closed = "/dev/fd/1023"  # a shell's <(cat FILE) given to torchrun: its workers have no such descriptor
     assert fails(["--init_from", hf_folder, "--hellaswag", closed], capsys).endswith(
-        f"{closed} does not exist (a shell's <(...) pipe reaches the program it started, not torchrun's workers: "
+        f"{closed} does not exist (a shell's <(...) pipe reaches the program it started, not a launcher's workers: "
         f"give a file): give the path of a hellaswag_val.jsonl")
     assert f"HellaSwag file {tmp_path} is a folder" in fails(["--init_from", hf_folder, "--hellaswag", tmp_path], capsys)
     # what gets past that check and still cannot be read

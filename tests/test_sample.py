@@ -159,7 +159,11 @@ def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, m
     (lambda out: torch.save({**(c := torch.load(out / "last.pt", weights_only=True)),  # a damaged .distcp's, converted
                              "model": {**c["model"], "transformer.ln_f.weight": c["model"]["transformer.ln_f.weight"]
                                        * float("nan")}}, out / "best.pt") or (out / "last.pt").unlink(),
-     "best.pt is not a GPT checkpoint of this repo (ValueError: its weights hold NaN or inf)"),  # (a traceback once)
+     "best.pt is not a GPT checkpoint of this repo (ValueError: its weights hold NaN or inf, or no floats)"),
+    (lambda out: torch.save({**(c := torch.load(out / "last.pt", weights_only=True)),  # 0 or 1: a hand edit, read as it
+                             "model": {**c["model"], "transformer.ln_f.weight": c["model"]["transformer.ln_f.weight"]
+                                       .bool()}}, out / "best.pt") or (out / "last.pt").unlink(),
+     "best.pt is not a GPT checkpoint of this repo (ValueError: its weights hold NaN or inf, or no floats)"),
     *[(lambda out, vocab=vocab: torch.save({**torch.load(out / "last.pt", weights_only=True), "vocab": vocab},
                                            out / "best.pt") or (out / "last.pt").unlink(),
        f"best.pt is not a GPT checkpoint of this repo (ValueError: its vocab {vocab!r} is not a tokenizer's name and "

@@ -228,11 +228,13 @@ def test_shards_from_another_writer_train_as_they_are(tmp_path, monkeypatch, scr
     # a prepare pointed at them (to get a meta.json, say) wrote its shards over theirs: llm.c's names are its own
     before = {p.name: p.read_bytes() for p in data.iterdir()}
     (tmp_path / "c.jsonl").write_text("".join(f'{{"text": "hello world {i}"}}\n' for i in range(300)))
-    proc = script("data/fineweb/prepare.py", f"--input={tmp_path / 'c.jsonl'}", f"--out_dir={data}", "--workers=1",
-                  "--shard_tokens=500")
-    assert proc.returncode == 2 and proc.stderr == (
-        f"error: {data} holds token shards no prepare of this repo is writing (no .progress.json): they train as "
-        f"they are (docs/data.md); choose another --out_dir to prepare anew\n"), proc.stderr
+    (tmp_path / "cut.parquet").write_bytes(b"PAR1 cut short")  # (refused before any file is read: or downloaded)
+    for corpus in ("fineweb", "openwebtext"):
+        proc = script(f"data/{corpus}/prepare.py", f"--input={tmp_path}/c*", f"--out_dir={data}", "--workers=1",
+                      "--shard_tokens=500")
+        assert proc.returncode == 2 and proc.stderr == (
+            f"error: {data} holds token shards no prepare of this repo is writing (no .progress.json): they train "
+            f"as they are (docs/data.md); choose another --out_dir to prepare anew\n"), proc.stderr
     assert {p.name: p.read_bytes() for p in data.iterdir()} == before
     write_llm_c_shard(tmp_path / "wide.bin", [70000, 1], magic=20240801, version=7, dtype=np.uint32)
     assert read_shard_header(tmp_path / "wide.bin") == ("uint32", 2)
