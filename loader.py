@@ -25,6 +25,7 @@ from data.dataset import Shard, check_token_files, has_tokens, load_meta, other_
 from data.files import allow_open_files, preparing, why_unreadable
 from errors import BadTokenId, ConfigError, out_of_memory
 from collectives import agree_or_raise, differs_from_rank0
+from world import World
 
 
 class Tokens:
@@ -139,15 +140,11 @@ class ShardedTokenLoader:
         self.epoch, self.position = epoch, position
 
 
-def token_splits(cfg: Config, meta: dict, splits=("train", "val"), world=None) -> dict:
-    """The dataset's train and val splits (or those in `splits`), each over its shards. With `world`, its
-    ranks agree on an open-file limit too low (eval.py's agree later, with all they check)."""
+def token_splits(cfg: Config, meta: dict, splits=("train", "val"), world=World()) -> dict:
+    """The dataset's train and val splits (or those in `splits`), each over its shards. `world`'s ranks agree
+    on an open-file limit too low (eval.py's, given none, later: with all they check)."""
     shards = split_shards(dataset_dir(cfg), meta, splits)
-    problem = allow_open_files(sum(len(s) for s in shards.values()))  # (each shard's memory map keeps a descriptor)
-    if world is not None:
-        agree_or_raise(problem, world)
-    if problem:
-        raise ConfigError(problem)
+    agree_or_raise(allow_open_files(sum(len(s) for s in shards.values())), world)  # (a map keeps a descriptor)
     return {split: Tokens(shards[split], meta["vocab_size"]) for split in splits}
 
 
