@@ -7,6 +7,7 @@ Attention goes through F.scaled_dot_product_attention; generation uses a key/val
 """
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -268,17 +269,19 @@ def _sample(logits, temperature, top_k, generator):
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
-# Dense (no sparsity) bf16 tensor-core peak FLOP/s. First matching substring of the device name
-# wins, so specific variants come before the generic name.
+# Dense (no sparsity) bf16 tensor-core peak FLOP/s. The first name found as whole words in the device's
+# name wins, so specific variants come before the generic name (and an RTX A1000 is no A100).
 PEAK_FLOPS = [
     ('H100 PCIe', 756e12),  # the PCIe card runs at lower clocks and power than SXM
     ('H100 NVL', 835e12),
     ('H100', 989e12),  # SXM
+    ('H200 NVL', 835e12),
     ('H200', 989e12),
+    ('GH200', 989e12),  # Grace Hopper's
     ('A100', 312e12),
 ]
 
 
 def peak_flops_for(device_name):
     """Peak bf16 FLOP/s for a device name such as 'NVIDIA H100 80GB HBM3', or None if unknown."""
-    return next((flops for substring, flops in PEAK_FLOPS if substring.lower() in device_name.lower()), None)
+    return next((flops for name, flops in PEAK_FLOPS if re.search(rf"\b{name}\b", device_name, re.IGNORECASE)), None)

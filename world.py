@@ -152,10 +152,11 @@ def pick_device(name: str, world: World) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    bf16 = device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)  # (V100, T4: emulated)
     if name == "auto" and device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if bf16 else torch.float16
     dtype = torch.float32 if name == "auto" else DTYPES[name]
-    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if dtype == torch.bfloat16 and not bf16:
         raise ConfigError("this GPU cannot run bfloat16: use --dtype=float16")
     # (CUDA's autocast runs both half dtypes; elsewhere try it, without touching a GPU in a parent)
     if dtype != torch.float32 and device.type != "cuda" and not autocast_runs(device, dtype):

@@ -132,6 +132,23 @@ def cuda_without_bfloat16(data, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
 
 
+def test_a_gpu_that_would_emulate_bfloat16_gets_float16(monkeypatch):
+    """torch's is_bf16_supported() is True on any CUDA GPU (a V100's or T4's bfloat16 is emulated: slow), so auto
+    picked it there and --dtype=bfloat16 was never refused; it also made a tensor, a launcher's parent's GPU context."""
+    from types import SimpleNamespace
+    for name, value in (("is_available", lambda: True), ("current_device", lambda: 0),
+                        ("_check_bf16_tensor_supported", lambda device: True)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    cuda = torch.device("cuda", 0)
+    for major, dtype in ((7, torch.float16), (8, torch.bfloat16)):  # a V100, an A100
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, major=major: SimpleNamespace(
+            major=major, minor=0))
+        assert world.pick_dtype("auto", cuda) == dtype
+        if major == 7:
+            with pytest.raises(errors.ConfigError, match="this GPU cannot run bfloat16: use --dtype=float16"):
+                world.pick_dtype("bfloat16", cuda)
+
+
 def dtype_autocast_cannot_run(data, monkeypatch):
     # CPU autocast does not do float64: it warns and turns itself off, as autocast does on
     # a device without bfloat16 (older Macs)

@@ -271,6 +271,8 @@ def test_peak_flops_table():
     assert peak_flops_for('NVIDIA H100 PCIe') < 989e12
     assert peak_flops_for('NVIDIA H200') == 989e12
     assert peak_flops_for('cpu') is None
+    assert peak_flops_for('NVIDIA H200 NVL') == 835e12 and peak_flops_for('NVIDIA GH200 480GB') == 989e12
+    assert peak_flops_for('NVIDIA RTX A1000 6GB Laptop GPU') is None  # (once A100's 312 TFLOP/s: "A100" in it)
 
 
 def test_a_short_block_refuses_longer_input_and_generates_past_it():
