@@ -95,6 +95,14 @@ def test_measured_state_bytes_confirm_the_memory_formula(report):
     assert runs["fsdp", 2]["optimizer"] == pytest.approx(runs["ddp", 2]["optimizer"] / 2, rel=0.01)
 
 
+def test_the_comm_share_is_the_mean_step_without_communication_against_the_mean_step():
+    import bench
+    raw = dict(config=dict(global_batch_size=8, batch_size=4), step_times=[2.0, 2.0], step_times_nosync=[1.0, 2.0],
+               accumulation_steps=1, tokens_per_step=128, peak_memory=[1], memory_kind="peak RSS", state_bytes={},
+               mfu=None)
+    assert bench.summarise("ddp", 2, raw)["comm_share"] == 0.25  # 1.5 s of 2 s without: a quarter communicates
+
+
 def test_fsdps_communication_on_a_cpu_is_counted_as_such():
     """Its all-gathers, reduce-scatters and waits were "other" in the profile's summary (45% of a step)."""
     import bench

@@ -141,7 +141,7 @@ def test_a_full_stderr_does_not_end_the_evaluation_and_a_nan_model_is_refused(hf
     assert score.not_finite == score.examples == 24  # (eval.py and train.py stop on it)
 
 
-def test_a_val_loss_that_is_not_finite_is_refused_not_printed(hf_folder, bpe_data, tmp_path, capsys):
+def test_a_val_loss_that_is_not_finite_is_refused_not_printed(hf_folder, bpe_data, tmp_path, capsys, monkeypatch):
     """eval.py printed "val loss nan" and exited 0 (HellaSwag's losses and train.py's were refused)."""
     model = transformers.GPT2LMHeadModel.from_pretrained(hf_folder)
     with torch.no_grad():
@@ -154,6 +154,10 @@ def test_a_val_loss_that_is_not_finite_is_refused_not_printed(hf_folder, bpe_dat
     out, err = capsys.readouterr()
     assert ended.value.code == 1 and "val loss" not in out
     assert err == f"error: the val loss on {bpe_data} is nan\n"
+    monkeypatch.setattr(eval_py, "val_loss", lambda *args: float("inf"))  # (float16's overflow, as often)
+    with pytest.raises(SystemExit) as ended, reported():
+        eval_py.main(["--init_from", str(hf_folder), "--no_hellaswag", "--data_dir", str(bpe_data), "--val_windows=4"])
+    assert (ended.value.code, capsys.readouterr().err) == (1, f"error: the val loss on {bpe_data} is inf\n")
 
 
 def test_a_diverged_run_stops_at_its_hellaswag_naming_the_causes_its_settings_allow(bpe_data, small_file, tmp_path,

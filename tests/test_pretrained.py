@@ -462,7 +462,8 @@ def test_exported_tokenizer_files_encode_as_tiktoken(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     enc = gpt2_encoding(REPO_COPY, verbose=False)
     text = ("First Citizen:\nBefore we proceed any further, hear me speak.  Ünïcödé — 123,456 "
-            "don't  tabs\tand emoji 🙂 sí soft\u00adhyphen<|endoftext|>")  # í and U+00AD: byte 0xAD, not printable
+            "don't  tabs\tand emoji 🙂 sí soft\u00adhyphen ®î<|endoftext|>")  # í, U+00AD: byte 0xAD, not
+    # printable; ® and î: byte 0xAE, the first printable one after it
     assert tok(text)["input_ids"] == enc.encode(text, allowed_special={"<|endoftext|>"})
     assert tok.decode(enc.encode_ordinary(text)) == text
     assert len(tok) == 50257

@@ -360,6 +360,9 @@ def test_a_failed_collective_says_what_to_relaunch_without_naming_a_file_that_ma
     assert str(failed.value).endswith("(dist_timeout=1000000s): relaunch every rank (training with resume=auto "
                                       "continues from the newest checkpoint written, last.pt on rank 0's host "
                                       "or the shared last.dcp).")
+    with pytest.raises(RuntimeError, match="^Connection closed by peer$"), collective_failures_explained(
+            World(), 10, lambda: "step 7"):  # one process has no peer to have lost: the error as it is
+        raise RuntimeError("Connection closed by peer")
 
 
 def test_the_prepare_hint_names_the_real_script(tmp_path):

@@ -110,6 +110,8 @@ def older(out):
     (["--temperature=nan"], "--temperature must be >= 0"),
     (["--temperature=inf"], "--temperature must be >= 0 and finite"),
     (["--seed=99999999999999999999999"], "--seed must be a 64-bit integer"),
+    ([f"--seed={2**64}"], "--seed must be a 64-bit integer"),  # (torch's own overflow, at the limits)
+    ([f"--seed={-2**63 - 1}"], "--seed must be a 64-bit integer"),
     (["--top_k=-3"], "--top_k must be >= 0 (0 = no top-k filtering), got -3"),
     (["--device=tpu"], "device 'tpu' is not one this trainer runs on"),
     (["--start=FILE:/nonexistent/prompt.txt"], "prompt file /nonexistent/prompt.txt does not exist"),

@@ -391,13 +391,14 @@ def test_blank_jsonl_lines_are_skipped_and_a_null_parquet_text_is_an_empty_docum
     (tmp_path / "corpus" / "a.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "a b"}\n\n{"text": "c"}\n\n')
     pq.write_table(pa.table({"text": ["d", None]}), tmp_path / "corpus" / "b.parquet")
     (tmp_path / "corpus" / "c.txt").write_bytes(b"\xef\xbb\xbfe f")
-    out = tmp_path / "out"
+    pq.write_table(pa.table({"text": pa.array(["g", "g h"]).dictionary_encode()}), tmp_path / "corpus" / "d.parquet")
+    out = tmp_path / "out"  # (d: a pandas categorical column's strings)
     proc = script("data/fineweb/prepare.py", f"--input={tmp_path}/corpus/*", f"--out_dir={out}", "--shard_tokens=2",
                   "--workers=1")
     assert proc.returncode == 0, proc.stderr
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["documents"] == 5 and np.array_equal(shard_tokens(out, meta["shards"]["val"] + meta["shards"]["train"]),
-                                                     encoded(["a b", "c", "d", "", "e f"]))
+    assert meta["documents"] == 7 and np.array_equal(shard_tokens(out, meta["shards"]["val"] + meta["shards"]["train"]),
+                                                     encoded(["a b", "c", "d", "", "e f", "g", "g h"]))
 
 
 def test_a_tokenizing_worker_leaves_ctrl_c_to_the_main_process_and_reports_a_failed_start(monkeypatch):

@@ -228,6 +228,10 @@ def test_throughput_counts_every_step_since_the_last_log(tmp_path, monkeypatch):
     log = logger.Logger(Config(out_dir=str(tmp_path)), 10, None, True)
     log.train_step(15, 2.0, 1e-3, None)
     assert json.loads(log.lines[-1])["tokens_per_sec"] == 5 * 32 * 64 / 2  # 5 steps of 32 x 64 tokens in 2 s
+    clock = iter([160.0, 161.0, 161.0])  # a HellaSwag evaluation at step 15 ended at 160 s (not training time)
+    log.hellaswag(15, SimpleNamespace(acc=0.3, acc_norm=0.3, examples=4, truncated=0, line=lambda: "hellaswag"))
+    log.train_step(20, 2.0, 1e-3, None)
+    assert json.loads(log.lines[-1])["tokens_per_sec"] == 5 * 32 * 64 / 1
 
 
 def test_a_cpus_mfu_is_each_process_against_its_share_of_the_given_peak(tmp_path, monkeypatch):
