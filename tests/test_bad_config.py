@@ -590,6 +590,8 @@ def test_a_signal_while_train_spawn_starts_its_ranks_is_passed_on(tmp_path, monk
     ({0: "error: interrupted (SIGTERM)"}, -9, ["error: rank 1 was killed by SIGKILL"]),
     ({0: "error: interrupted (SIGTERM)", 1: "error: MASTER_PORT 29517 is in use"}, 2, ["error: MASTER_PORT 29517"]),
     ({1: "error: interrupted (SIGTERM)"}, 143, ["error: interrupted (SIGTERM)"]),  # (the one a user sent it)
+    ({}, 134, ["error: rank 1 exited with status 134"]),  # an abort (NCCL's watchdog, a C++ assert) said nothing
+    ({0: "error: x on another rank: see its message", 1: "error: the real cause"}, 2, ["error: the real cause"]),
 ])
 def test_train_spawn_prints_the_cause_not_the_peers_that_lost_it(tmp_path, monkeypatch, capsys, lines, exit_code,
                                                                   expected):

@@ -197,6 +197,11 @@ def test_plot_runs_tells_same_named_folders_apart_and_skips_unreadable_lines(tmp
                                                      '{"step": 1e300, "loss": 2.0}\n')
     proc = script("scripts/plot_runs.py", tmp_path / "huge", f"--out={tmp_path / 'huge.png'}")
     assert proc.returncode == 0 and proc.stdout == f"1 run -> {tmp_path / 'huge.png'}\n", proc.stdout + proc.stderr
+    (tmp_path / "first").mkdir()  # a run that has evaluated its start only: its one val point is drawn
+    (tmp_path / "first" / "metrics.jsonl").write_text('{"step": 0, "train_eval_loss": 4.2, "val_loss": 4.2, '
+                                                      '"tokens_seen": 0}\n')
+    proc = script("scripts/plot_runs.py", tmp_path / "first", f"--out={tmp_path / 'first.png'}")
+    assert proc.returncode == 0 and proc.stdout == f"1 run -> {tmp_path / 'first.png'}\n", proc.stdout + proc.stderr
     # a label of non-UTF-8 bytes (a folder's name, as Python keeps it): a matplotlib traceback once
     proc = script("scripts/plot_runs.py", tmp_path / "huge", "--labels=run\udcff", f"--out={tmp_path / 'huge.png'}")
     assert proc.returncode == 0, proc.stderr
