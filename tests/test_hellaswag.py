@@ -265,6 +265,11 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
     assert re.search(r"^error: --batch_size=10000000 needs at least [\d,.]+ GB for one forward's logits, but cpu has "
                      r"[\d,.]+ GB available: give a smaller --batch_size$",
                      fails(["--init_from", hf_folder, "--hellaswag", hs_file, "--batch_size=10000000"], capsys))
+    config, available = pretrained.load_gpt(str(hf_folder)).config, eval_py.available_memory
+    monkeypatch.setattr(eval_py, "available_memory", lambda *a: 4 * 4 * config.block_size * config.padded_vocab_size - 1)
+    assert "--batch_size=1 needs at least" in fails(  # a batch under 4 still runs an example's 4 endings at once
+        ["--init_from", hf_folder, "--hellaswag", hs_file, "--batch_size=1"], capsys)
+    monkeypatch.setattr(eval_py, "available_memory", available)
     monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(tmp_path / "no.tiktoken"))  # was a traceback
     error = fails(["--init_from", hf_folder, "--hellaswag", hs_file], capsys)
     assert f"HellaSwag needs GPT-2's tokenizer: GPT-2 BPE file {tmp_path / 'no.tiktoken'}" in error

@@ -282,6 +282,14 @@ def test_wandb_that_stops_mid_run_leaves_the_run_going_and_a_relaunch_with_nothi
                                          "metrics.jsonl goes on alone\n") == 1
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [12, 14]
     assert ended == [True]  # its connection closed: nothing left for its exit hook to fail on
+    import errno
+    opened = []  # a write that fails (a full disk) ends the log's writing: no row after a line cut short
+    monkeypatch.setattr(logger, "open", lambda *a, **k: opened.append(1) or (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")), raising=False)
+    log.train_step(16, 1.8, 1e-3, None)
+    log.train_step(18, 1.7, 1e-3, None)
+    assert opened == [1] and log.failure.startswith("could not write metrics.jsonl (No space left on device)")
+    monkeypatch.delattr(logger, "open")
     (tmp_path / "config.json").write_text("the run's")
     log = logger.Logger(Config(out_dir=".", wandb_log=True, max_iters=20), 20, "./last.pt", True)
     log.write_run_files(cfg, {}, {"world_size": 2})
