@@ -266,7 +266,8 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
                      r"[\d,.]+ GB available: give a smaller --batch_size$",
                      fails(["--init_from", hf_folder, "--hellaswag", hs_file, "--batch_size=10000000"], capsys))
     config, available = pretrained.load_gpt(str(hf_folder)).config, eval_py.available_memory
-    monkeypatch.setattr(eval_py, "available_memory", lambda *a: 4 * 4 * config.block_size * config.padded_vocab_size - 1)
+    four = 4 * 4 * config.block_size * config.padded_vocab_size  # (bytes: 4 sequences of float32 logits)
+    monkeypatch.setattr(eval_py, "available_memory", lambda *a: four - 1)
     assert "--batch_size=1 needs at least" in fails(  # a batch under 4 still runs an example's 4 endings at once
         ["--init_from", hf_folder, "--hellaswag", hs_file, "--batch_size=1"], capsys)
     monkeypatch.setattr(eval_py, "available_memory", available)
