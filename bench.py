@@ -38,6 +38,7 @@ from data.dataset import GPT2_META, GPT2_VOCAB_SIZE as GPT2_VOCAB, write_dataset
 from data.files import DISK_FULL, atomic_write_bytes, not_a_folder, write_together
 from errors import TORCHRUN, ConfigError, RunError, reported, signals_unwind, wait_passing_signals, write_failure
 from loader import Dataset
+from logger import mfu_of
 from model import GPTConfig
 from parallel import memory_problem
 import pretrained
@@ -162,14 +163,12 @@ def worker(cfg_args: list, steps: int, warmup: int, result: Path, synthetic_dir,
         nosync = slowest_rank(timed_steps(run, steps + 1, device, sync=False)[1:], world) if world.size > 1 else None
         if profile_dir:
             profile_steps(run, device, Path(profile_dir), f"{world.strategy}-{world.size}", world.is_master)
-        flops = cfg.peak_flops / (1 if gpu else world.local_size) or None  # (a CPU's: its processes', together)
         figures = dict(
             world_size=world.size, accumulation_steps=accum, tokens_per_step=cfg.tokens_per_step,
             step_times=times, step_times_nosync=nosync, peak_memory=[row[0] for row in by_rank([peak], world)],
             memory_kind="cuda max allocated" if gpu else "peak RSS",
             state_bytes=state_bytes(run), sequences_per_rank_step=cfg.batch_size * accum,
-            mfu=run.raw_model.estimate_mfu(cfg.batch_size * accum, statistics.mean(times), flops)
-            if gpu or flops else None,
+            mfu=(estimate := mfu_of(run)) and estimate(1, statistics.mean(times)),  # (logger.py's)
             device=torch.cuda.get_device_name(device) if gpu else platform.processor() or "cpu",
             dtype=str(world.dtype).removeprefix("torch."), backend=world.backend, compile=cfg.compile,
             config=cfg.to_dict(), data="synthetic" if synthetic_dir else str(cfg.data_dir or cfg.dataset),

@@ -15,6 +15,15 @@ from data.files import atomic_write_bytes, holds_lock, parse_json
 from errors import DISK_FULL, LogNotWritten, first_line
 
 
+def mfu_of(run):
+    """(optimizer steps, seconds) -> the run's MFU over them, or None where no peak is known: a GPU's from model.py's
+    table or peak_flops, a CPU's only from peak_flops, which its local processes share (each has its cores)."""
+    cfg, world, gpu = run.cfg, run.world, run.world.device.type == "cuda"
+    peak = cfg.peak_flops / (1 if gpu else world.local_size) or None
+    return (lambda steps, seconds: run.raw_model.estimate_mfu(cfg.batch_size * world.accum * steps, seconds, peak)
+            ) if gpu or peak else None
+
+
 def read_metrics(path: Path, verb: str) -> list:
     """metrics.jsonl's rows, each a dict with an integer step. A line that is not one (cut short
     by a full disk or a kill, or edited) is left out, with a warning: "{verb} 2 unreadable lines"."""
@@ -109,12 +118,7 @@ class Logger:
         from pretrained import is_pretrained
         cfg, world, raw_model = run.cfg, run.world, run.raw_model
         on_gpu = world.device.type == "cuda"
-        log = cls(cfg, run.step, run.resumed_from, world.is_master,
-                  (lambda steps, seconds: raw_model.estimate_mfu(cfg.batch_size * world.accum * steps, seconds,
-                                                                 cfg.peak_flops / (1 if on_gpu else
-                                                                                   world.local_size) or None))
-                  if on_gpu or cfg.peak_flops else None, run.history)  # (a CPU's MFU only from its peak, given,
-                                                                        # shared by its processes: each has its cores)
+        log = cls(cfg, run.step, run.resumed_from, world.is_master, mfu_of(run), run.history)
         agree_or_raise(log.start_failure, world)
         log.write_run_files(cfg, meta, dict(
             torch=torch.__version__, python=sys.version.split()[0], world_size=world.size,

@@ -93,7 +93,7 @@ def optimizer_step(run: "Run", sync: bool = True):
         grad_norm = parallel.clip_grad_norm(run.raw_model, run.cfg.grad_clip)  # over all shards
     run.scaler.step(run.optimizer)
     run.scaler.update()
-    run.optimizer.zero_grad(set_to_none=run.world.size == 1 or run.world.strategy == "fsdp")  # (DDP's: its buckets)
+    run.optimizer.zero_grad(set_to_none=not isinstance(run.model, parallel.DDP))  # (DDP's are views of its buckets)
     return step_loss, grad_norm
 
 

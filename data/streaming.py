@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data.documents import Source, read_documents
-from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_META, PROGRESS, is_loose_shard, load_meta, write_shard
+from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_META, PROGRESS, has_shards, load_meta, write_shard
 from data.corpora import prepare_parser
 from data.files import atomic_write_bytes, preparing, read_json
 from data.tokenizers import gpt2_encoding
@@ -276,7 +276,7 @@ def finished(out_dir, settings: dict):
     if (out_dir / PROGRESS).is_file():
         return None
     if not (out_dir / "meta.json").is_file():  # its shards would go over another writer's (llm.c's names)
-        if out_dir.is_dir() and any(map(is_loose_shard, out_dir.iterdir())):
+        if has_shards(out_dir):
             raise ValueError(f"{out_dir} holds token shards no prepare of this repo is writing (no {PROGRESS}): they "
                              f"train as they are (docs/data.md); choose another --out_dir to prepare anew")
         return None
