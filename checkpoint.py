@@ -301,10 +301,12 @@ def lineage(out_dir: Path, last: Path, resumed_from, saved: tuple, resume: str) 
     this run wrote it)). Resumed from another of out_dir's checkpoints, nothing saved since, a damaged last
     (or older than the other format's) must not become previous; a readable one a rollback replaces does.
     fresh: the first save of a run that did not continue one of out_dir's (started afresh, or elsewhere)."""
-    resumed, real = Path(resumed_from or last), os.path.realpath  # (Path.resolve raises on a link loop)
+    if resumed_from is None:  # started afresh: an earlier run's last becomes previous if it reads
+        return saved is not None or newest_step([last]) >= 0, saved is None
+    resumed, real = Path(resumed_from), os.path.realpath  # (Path.resolve raises on a link loop)
     elsewhere = real(resumed.parent) != real(out_dir)
     rotate = real(resumed) == real(last) or elsewhere or saved[2] or resume != "auto" and newest_step([last]) >= 0
-    return rotate, saved is None or not saved[2] and elsewhere
+    return rotate, not saved[2] and elsewhere
 
 
 def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
@@ -321,7 +323,8 @@ def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
     try:
         return read_first(paths, use, world.is_master)
     except UnreadableCheckpoint as e:  # none there reads: what to do (init_from=resume cannot start afresh)
-        raise UnreadableCheckpoint(f"{e}: give --resume=PATH of one that reads{' (best?)' * (cfg.resume == 'auto')}, "
+        best = cfg.resume == "auto" and any(Path(cfg.out_dir, name).exists() for name in ("best.pt", "best.dcp"))
+        raise UnreadableCheckpoint(f"{e}: give --resume=PATH of one that reads{' (best?)' * best}, "
                                    f"or --resume=never{' --init_from=scratch' * (cfg.init_from == 'resume')}") from None
 
 

@@ -175,6 +175,9 @@ def test_when_no_checkpoint_reads_the_line_says_what_to_do(trained_copy, char_da
         with pytest.raises(ConfigError, match=rf"^cannot read checkpoint {out / 'previous.pt'}: it is truncated .*: "
                                               rf"give --resume=PATH of one that reads \(best\?\), or {afresh}$"):
             train_here(char_data, out, max_iters=10, resume="auto", init_from=init_from)
+    (out / "best.pt").unlink()  # (a best to try was suggested where there was none)
+    with pytest.raises(ConfigError, match=r"give --resume=PATH of one that reads, or --resume=never$"):
+        train_here(char_data, out, max_iters=10, resume="auto")
 
 
 def test_a_resume_at_or_past_max_iters_says_nothing_is_left_to_train(trained_copy, char_data, capsys):
@@ -241,6 +244,22 @@ def test_a_damaged_last_pt_skipped_for_the_other_format_is_not_rotated_over_prev
     # previous.pt (step 5) stays: it once became the damaged file
     train_here(char_data, out, max_iters=15, eval_interval=5, resume="auto")
     assert [torch.load(out / f"{k}.pt", weights_only=True)["step"] for k in ("previous", "last")] == [5, 15]
+
+
+@pytest.mark.parametrize("checkpoint_format", ["file", "sharded"])
+def test_a_fresh_start_rotates_an_earlier_last_only_if_it_reads(trained_copy, char_data, checkpoint_format):
+    """resume=never: the earlier run's last becomes previous; a damaged last.pt became previous.pt over the
+    good one, and a file named last.dcp became previous.dcp (what a fallback from a damaged last.dcp takes)"""
+    out, name = trained_copy, "last.pt" if checkpoint_format == "file" else "last.dcp"
+    (out / name).write_bytes(b"damaged")
+    previous = (out / "previous.pt").read_bytes()
+    train_here(char_data, out, max_iters=5, eval_interval=5, resume="never", checkpoint_format=checkpoint_format)
+    assert (out / "previous.pt").read_bytes() == previous and (out / name).is_dir() == (name == "last.dcp")
+    assert not (out / "previous.dcp").exists()
+    train_here(char_data, out, max_iters=5, eval_interval=5, resume="never", checkpoint_format=checkpoint_format)
+    assert (out / name.replace("last", "previous")).exists()  # a readable one is rotated
+    if checkpoint_format == "file":
+        assert (out / "previous.pt").read_bytes() != previous
 
 
 SCALER = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, _growth_tracker=0)
