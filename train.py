@@ -206,7 +206,7 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
     """Model (sharded for FSDP), optimizer, scaler, loader and eval windows; then the checkpoint,
     if one continues this run, or GPT-2's weights; then compile and DDP, which wrap the model."""
     torch.manual_seed(cfg.seed)  # the same init on every rank: the weights do not depend on the world size
-    model_args = on_rank0(lambda: pretrained.model_args(cfg, meta), world)  # (GPT-2's shape: rank 0 reads it)
+    model_args, cfg.init_from = on_rank0(lambda: pretrained.model_args(cfg, meta), world)  # (rank 0 reads GPT-2's)
     # an impossible size is refused before anything is allocated (hosts may differ: agree)
     agree_or_raise(parallel.memory_problem(GPTConfig(**model_args), cfg, world), world)
     # FSDP: only rank 0 builds the whole model; every rank gets its shard of rank 0's weights

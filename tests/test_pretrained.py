@@ -213,6 +213,9 @@ def test_config_json_of_another_architecture_or_size_is_refused(tmp_path):
             k: v for k, v in {**config, **change}.items() if v is not None}))
         with pytest.raises(ConfigError, match=re.escape(message)):
             pretrained.read_shape(tmp_path)
+    for same in ({"activation_function": "gelu_pytorch_tanh"}, {"n_inner": 128}):  # GPT-2's, spelled otherwise
+        (tmp_path / "config.json").write_text(json.dumps({**config, **same}))
+        assert pretrained.read_shape(tmp_path)["n_embd"] == 32
 
 
 def test_an_untied_lm_head_is_refused_not_dropped():
@@ -279,6 +282,13 @@ def test_a_resume_needs_a_folder_named_without_a_slash_no_more(tmp_path, bpe_dat
     shutil.rmtree(tmp_path / "tiny-gpt2")
     again = tiny_finetune(bpe_data, tmp_path / "out", "tiny-gpt2", max_iters=2, eval_interval=1, resume="auto")
     assert "resuming from" in train(again).stdout and checkpoint.read(tmp_path / "out" / "last.pt")["step"] == 2
+    # init_from=resume continues it too, in the checkpoint's shape (it was refused: "holds another model shape",
+    # of the config's), and keeps where it started (a resume from tiny-gpt2 was then "no ... GPT-2 model there")
+    again = tiny_finetune(bpe_data, tmp_path / "out", "resume", max_iters=3, eval_interval=1, resume="auto", n_embd=64)
+    assert "resuming from" in train(again).stdout
+    assert checkpoint.read(tmp_path / "out" / "last.pt", tensors=False)["config"]["init_from"] == "tiny-gpt2"
+    again = tiny_finetune(bpe_data, tmp_path / "out", "tiny-gpt2", max_iters=4, eval_interval=1, resume="auto")
+    assert "resuming from" in train(again).stdout and checkpoint.read(tmp_path / "out" / "last.pt")["step"] == 4
 
 
 HF_SHAPE_OURS = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=50257)
@@ -298,6 +308,8 @@ def test_config_that_cannot_load_the_weights_is_one_line(tmp_path, bpe_data, hf_
         train(tiny_finetune(bpe_data, tmp_path / "mixed", "scratch", max_iters=1, eval_interval=1, **override))
         fails_with(["train.py", *tiny_finetune(bpe_data, tmp_path / "mixed", hf_folder, resume="auto", **override)],
                    "holds another model shape (checkpoint, now): {'n_embd': (64, 32)}")
+        fails_with(["train.py", *tiny_finetune(bpe_data, tmp_path / "mixed", "resume", resume="auto")],
+                   "holds another model shape (checkpoint, now): {'n_embd': (64, 32)}")  # (init_from=resume too)
     else:
         fails_with(["train.py", *args], needle)
 
@@ -416,9 +428,14 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data, trai
     (tmp_path / "hf").mkdir()  # another model's tokens past GPT-2's vocabulary: the export removes them
     for name in ("added_tokens.json", "special_tokens_map.json"):
         (tmp_path / "hf" / name).write_text('{"<pad>": 50257}' if name[0] == "a" else '{"pad_token": "<pad>"}')
+    sharded = ("model.safetensors.index.json", "model-00001-of-00002.safetensors", "pytorch_model.bin.index.json",
+               "pytorch_model-00002-of-00002.bin")  # a larger model's download, in parts: left beside the export
+    for name in sharded:
+        (tmp_path / "hf" / name).write_text("{}")
     proc = script("scripts/export_hf.py", f"--out_dir={out}", f"--to={tmp_path / 'hf'}")
     assert proc.returncode == 0, proc.stderr
-    assert not {"added_tokens.json", "special_tokens_map.json"} & set(os.listdir(tmp_path / "hf"))
+    assert not {"added_tokens.json", "special_tokens_map.json", *sharded} & set(os.listdir(tmp_path / "hf"))
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["model_max_length"] == 32
     assert "model.safetensors" in proc.stdout and "vocab.json" in proc.stdout
     made_durable = [listed for folder, listed in synced if folder == tmp_path / "hf"]  # once all were made
     assert made_durable == [sorted(os.listdir(tmp_path / "hf"))]
