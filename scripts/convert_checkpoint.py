@@ -34,6 +34,8 @@ def main(argv=None):
         raise ConfigError(f"{args.source} is not a sharded checkpoint folder (NAME.dcp) train.py wrote")
     if args.dest.suffix != ".pt":
         raise ConfigError(f"{args.dest}: name the file NAME.pt, as train.py and resume= expect")
+    if any(p.suffix == ".dcp" for p in args.dest.absolute().parents):  # (a save replaces that folder)
+        raise ConfigError(f"{args.dest} is inside a sharded checkpoint, which a save replaces: write it beside it")
     state = checkpoint.check_format(checkpoint.read(args.source), args.source)
     if missing := [k for k in checkpoint.REQUIRED if k not in state]:
         raise ConfigError(f"{args.source} lacks {missing}: it was not written by this train.py")
