@@ -223,6 +223,9 @@ CASES = [
     ("block_size 1 too long for val", ["--block_size=1"],  # (it also said "or a model of a smaller block_size")
      lambda d, m: (os.truncate(d / "val.bin", 2 * 1), rewrite_meta(d, val_tokens=1)),
      r"block_size \(1\) is too long for the val split of .* \(1 tokens; it needs 2\): use more data$"),
+    ("an empty val split", [],  # (not "cannot mmap an empty file", naming no file)
+     lambda d, m: (os.truncate(d / "val.bin", 0), rewrite_meta(d, val_tokens=0)),
+     r"block_size \(16\) is too long for the val split of .* \(0 tokens; it needs 17\)"),
     ("resume required and forbidden", ["--init_from=resume", "--resume=never"], None,
      r"init_from='resume' needs a checkpoint but resume='never' forbids one"),
     ("unknown dtype", ["--dtype=float8"], None, r"dtype must be one of .*got 'float8'"),

@@ -137,6 +137,28 @@ def test_where_hard_links_fail_a_copy_is_made_and_a_full_disk_is_named(tmp_path,
     assert disk_full(RuntimeError("unexpected pos 64 vs 32"), tmp_path, need=2**62).startswith("No space left")
 
 
+def test_a_full_quota_a_path_under_a_file_and_a_second_link_are_named_or_kept(tmp_path):
+    import errno
+    from types import SimpleNamespace
+
+    import sharded
+    from data.files import link_or_copy
+    from errors import CheckpointNotWritten, OutDirUnwritable
+    quota = OSError(errno.EDQUOT, "Disk quota exceeded")  # a full quota is a full disk (it said: fix permissions)
+    assert str(OutDirUnwritable(tmp_path / "out", quota)).endswith("choose another --out_dir or free disk space")
+    assert "Disk quota exceeded); no checkpoint of this run was written yet: free disk space" in \
+        str(CheckpointNotWritten(3, "[Errno 122] Disk quota exceeded", None))
+    under = OSError(errno.ENOTDIR, "Not a directory")  # out_dir=FILE/out
+    assert str(OutDirUnwritable(tmp_path / "f" / "out", NotADirectoryError(*under.args))) == (
+        f"out_dir {tmp_path / 'f' / 'out'} cannot be written (it is a file, or lies under one): choose another --out_dir")
+    (tmp_path / "a").write_bytes(b"weights")  # already one file (a kill between link and rename): no temporary left
+    os.link(tmp_path / "a", tmp_path / "b")
+    link_or_copy(tmp_path / "a", tmp_path / "b")
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+    failed = SimpleNamespace(failures={1: (OSError("rank 1's"), None), 0: (OSError("rank 0's"), None)})
+    assert sharded._reason(failed).startswith("rank 0: ")  # the lowest failing rank's own exception
+
+
 def test_a_file_size_limit_and_a_full_disk_are_named_as_they_are(tmp_path):
     """numpy's tofile cut short by `ulimit -f` raised no errno, and prepare said the disk was full ('free space
     there', with 78 GB free); an out_dir on a full disk was told to fix its permissions."""

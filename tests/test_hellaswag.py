@@ -5,6 +5,7 @@ is written here in the official format, the "GPT-2" is a random transformers mod
 import errno
 import io
 import json
+import math
 import os
 import random
 import re
@@ -102,15 +103,17 @@ def fails(argv, capsys) -> str:
 
 # --- scoring -------------------------------------------------------------------------------
 
-def test_acc_and_each_chosen_ending_match_a_transformers_reference(hf_folder, hs_file, capsys):
+def test_acc_and_each_chosen_ending_match_a_transformers_reference(hf_folder, hs_file, capsys, monkeypatch):
     expected = reference_picks(transformers.GPT2LMHeadModel.from_pretrained(hf_folder).eval(), hs_file)
     examples = hellaswag.load(str(hs_file), block_size=64)
     assert len({len(row) for ex in examples for row in ex.rows}) > 5  # endings of many lengths
+    forwards, real = [], hellaswag.score  # batch_size sequences a forward, not examples (4 x the memory planned)
+    monkeypatch.setattr(hellaswag, "score", lambda model, batch, *a: forwards.append(len(batch)) or real(model, batch, *a))
     score, picks = hellaswag.evaluate(pretrained.load_gpt(str(hf_folder)), examples, World(), torch.autocast("cpu", enabled=False), batch_size=20)
     assert [picks[i] for i in range(len(examples))] == [(s, m) for s, m, _ in expected]
     assert score.correct == sum(s == label for s, _, label in expected)
     assert score.correct_norm == sum(m == label for _, m, label in expected)
-    assert (score.examples, score.truncated) == (24, 0)
+    assert (score.examples, score.truncated) == (24, 0) and forwards == [5] * 4 + [4]
     assert score.correct != score.correct_norm  # the two criteria really differ here
     model = pretrained.load_gpt(str(hf_folder))  # a batch smaller than one example's 4 endings: one example a forward
     _, few = hellaswag.evaluate(model, examples[:3], World(), torch.autocast("cpu", enabled=False), batch_size=1)
@@ -139,6 +142,15 @@ def test_a_full_stderr_does_not_end_the_evaluation_and_a_nan_model_is_refused(hf
     score, _ = hellaswag.evaluate(model, hellaswag.load(str(hs_file), block_size=64), World(),
                                   torch.autocast("cpu", enabled=False), batch_size=20)
     assert score.not_finite == score.examples == 24  # (eval.py and train.py stop on it)
+
+    class OneEndingOverflows(torch.nn.Module):  # example 0's first ending alone: that example is refused too
+        def forward(self, x, y):
+            logits = torch.zeros(*x.shape, 8)
+            logits[0, :, 3] = -math.inf  # (its ending's tokens are 3: a loss of inf)
+            return logits, None
+    rows = [hellaswag.Example([[1, 3, 3], [1, 2, 2], [1, 4, 4], [1, 5, 5]], 1, 0, False)] * 2
+    assert hellaswag.score(OneEndingOverflows(), rows, "cpu", torch.autocast("cpu", enabled=False)) == (
+        [-1, 0], [-1, 0])  # (the other's endings tie: the first)
 
 
 def test_a_val_loss_that_is_not_finite_is_refused_not_printed(hf_folder, bpe_data, tmp_path, capsys, monkeypatch):

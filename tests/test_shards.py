@@ -700,7 +700,8 @@ def test_a_train_shard_whose_name_holds_val_is_not_validated_on(tmp_path):
     (lambda d: shutil.rmtree(d) or d.write_bytes(b""), "is not a folder (a file, a link to nothing, or under a file)"),
     (lambda d: shutil.rmtree(d) or d.symlink_to(d.parent / "unmounted"), "is not a folder (a file, a link to nothing"),
     (lambda d: write_llm_c_shard(d / "x_train_000001.bin", np.arange(5000), magic=20240801, version=7,
-                                 dtype=np.uint32), "shards of mixed dtypes"),
+                                 dtype=np.uint32), "shards of mixed dtypes (x_val_000000.bin holds uint16, "
+                                                   "x_train_000001.bin holds uint32): one dataset has one token dtype"),
     (lambda d: (d / "x_train_000001.bin").unlink(), "has no meta.json and no *train*.bin shard"),
     (lambda d: write_llm_c_shard(d / "x_train_000001.bin", np.arange(5000), magic=12345),
      "x_train_000001.bin: magic number 12345 is not a token shard's"),

@@ -234,8 +234,9 @@ def test_throughput_counts_every_step_since_the_last_log(tmp_path, monkeypatch):
     assert json.loads(log.lines[-1])["tokens_per_sec"] == 5 * 32 * 64 / 1
 
 
-def test_a_cpus_mfu_is_each_process_against_its_share_of_the_given_peak(tmp_path, monkeypatch):
+def test_a_cpus_mfu_is_each_process_against_its_share_of_the_given_peak(tmp_path, monkeypatch, capsys):
     """A CPU's processes split its cores (world.use_device): each of 2 showed half the CPU's MFU."""
+    import re
     from types import SimpleNamespace
 
     import logger
@@ -252,6 +253,13 @@ def test_a_cpus_mfu_is_each_process_against_its_share_of_the_given_peak(tmp_path
                               model_args={})
         mfu[size] = logger.Logger.start(run, {}).estimate_mfu(10, 5.0)  # 10 steps in 5 s, on 1 or on 2 processes
     assert mfu[1] == mfu[2] == pytest.approx(model.estimate_mfu(8 * 10, 5.0, 1e9))  # all the CPU's work, 1e9 FLOP/s
+    run.world = World(rank=1, size=2, local_size=1, accum=1)  # two hosts, one process each: each has its whole CPU
+    assert logger.Logger.start(run, {}).estimate_mfu(10, 5.0) == pytest.approx(model.estimate_mfu(4 * 10, 5.0, 1e9))
+    from data.files import lock_note
+    (tmp_path / "run.lock").write_bytes(lock_note())  # (this process's run: its log is written)
+    capsys.readouterr()
+    logger.Logger(cfg, 0, None, True, lambda steps, seconds: 0.4).train_step(10, 2.0, 6e-4, None)
+    assert re.fullmatch(r"step 10: loss 2\.0000, lr 6\.00e-04, [\d,]+ tok/s, mfu 40\.0%\n", capsys.readouterr().out)
 
 
 def test_wandb_that_stops_mid_run_leaves_the_run_going_and_a_relaunch_with_nothing_to_train_starts_none(
@@ -457,11 +465,14 @@ def test_wandb_is_told_whether_the_run_failed(char_data, tmp_path, monkeypatch):
     class FakeRun:  # what wandb.init returns: no service process, no files
         def log(self, record, step):
             logged.append(step)
+            assert "step" not in record  # (wandb's own axis, not a chart)
 
         def finish(self, exit_code):
             finished.append(exit_code)
-    monkeypatch.setattr(wandb, "init", lambda **kwargs: FakeRun())
+    started = []
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: started.append(kwargs) or FakeRun())
     train_here(char_data, tmp_path / "ok", wandb_log=True, max_iters=2, eval_interval=2)
+    assert started[0]["config"] == ckpt(tmp_path / "ok", "last.pt")["config"]  # the run's settings, for its charts
     monkeypatch.setattr(train, "optimizer_step", raising(RuntimeError("a step failed")))
     with pytest.raises(RuntimeError, match="a step failed"):
         train_here(char_data, tmp_path / "failed", wandb_log=True, max_iters=2, eval_interval=2)
