@@ -136,6 +136,18 @@ def start(cmd, **env) -> subprocess.Popen:
                             stderr=subprocess.STDOUT)
 
 
+@contextlib.contextmanager
+def started(cmd, **env):
+    """start(cmd), killed at the end if it still runs: a failed assertion leaves no run training through the suite."""
+    proc = start(cmd, **env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
 def children(pid: int, named: str = "") -> list[int]:
     """The pids of pid's child processes (those whose command line holds `named`)."""
     found = subprocess.run(["pgrep", "-P", str(pid), *(["-f", named] if named else [])], capture_output=True, text=True)

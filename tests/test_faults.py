@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from harness import (REPO, assert_same_weights, child_env, ckpt, make_char_dataset, no_temporaries, python, run,
-                     start, tiny_args, torchrun, train_here, train_py, wait_for_line)
+                     start, started, tiny_args, torchrun, train_here, train_py, wait_for_line)
 
 STEPS = 40
 
@@ -102,21 +102,22 @@ def test_a_stopped_or_finished_run_ignores_ctrl_c_as_it_exits(monkeypatch):
 @pytest.mark.slow
 def test_a_second_run_into_a_busy_out_dir_stops_and_the_first_goes_on(char_data, tmp_path):
     args = args_for(char_data, tmp_path, max_iters=100_000, eval_interval=5, lr_decay_iters=100_000)
-    first = start(train_py(args))
-    wait_for_line(first, "step 6:")  # last.pt exists
-    second = python("train.py", *args, timeout=120)
-    assert second.returncode == 2, second.stdout + second.stderr
-    line, = second.stderr.strip().splitlines()
-    assert f"out_dir {tmp_path} is in use by the run started" in line and f"pid {first.pid} " in line
-    assert "another --out_dir" in line
-    both = subprocess.run(torchrun(args), cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
-    assert both.returncode != 0
-    assert both.stderr.count(f"error: out_dir {tmp_path} is in use by the run started") == 2  # every rank
-    # a reader needs no lock
-    run([sys.executable, "sample.py", f"--out_dir={tmp_path}", "--num_samples=1", "--max_new_tokens=5"])
-    assert first.poll() is None  # the first run never noticed
-    first.send_signal(signal.SIGTERM)
-    assert first.wait(timeout=60) == 128 + signal.SIGTERM
+    with started(train_py(args)) as first:
+        wait_for_line(first, "step 6:")  # last.pt exists
+        second = python("train.py", *args, timeout=120)
+        assert second.returncode == 2, second.stdout + second.stderr
+        line, = second.stderr.strip().splitlines()
+        assert f"out_dir {tmp_path} is in use by the run started" in line and f"pid {first.pid} " in line
+        assert "another --out_dir" in line
+        both = subprocess.run(torchrun(args), cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+        assert both.returncode != 0
+        assert both.stderr.count(f"error: out_dir {tmp_path} is in use by the run started") == 2  # every rank
+        # a reader needs no lock
+        run([sys.executable, "sample.py", f"--out_dir={tmp_path}", "--num_samples=1", "--max_new_tokens=5"])
+        assert first.poll() is None  # the first run never noticed
+        first.send_signal(signal.SIGTERM)
+        out, _ = first.communicate(timeout=60)  # (read: a full pipe would block its step lines, and its stop)
+        assert first.returncode == 128 + signal.SIGTERM, out
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
     assert steps == sorted(set(steps))  # one writer: no step twice
@@ -124,14 +125,12 @@ def test_a_second_run_into_a_busy_out_dir_stops_and_the_first_goes_on(char_data,
 
 @pytest.mark.slow
 def test_a_lock_left_by_a_killed_run_does_not_block(char_data, tmp_path):
-    holder = start([sys.executable, "-c", "import sys, time, checkpoint, world\n"
-                    f"with checkpoint.locked_out_dir({str(tmp_path)!r}, world.World()):\n"
-                    "    print('held', flush=True); time.sleep(600)"])
-    wait_for_line(holder, "held")
-    blocked = python("train.py", *args_for(char_data, tmp_path, max_iters=2), timeout=120)
-    assert blocked.returncode == 2 and f"pid {holder.pid} " in blocked.stderr
-    holder.kill()
-    holder.wait()
+    with started([sys.executable, "-c", "import sys, time, checkpoint, world\n"
+                  f"with checkpoint.locked_out_dir({str(tmp_path)!r}, world.World()):\n"
+                  "    print('held', flush=True); time.sleep(600)"]) as holder:
+        wait_for_line(holder, "held")
+        blocked = python("train.py", *args_for(char_data, tmp_path, max_iters=2), timeout=120)
+        assert blocked.returncode == 2 and f"pid {holder.pid} " in blocked.stderr
     assert (tmp_path / "run.lock").exists()  # the file stays; the OS dropped the lock
     run(train_py(args_for(char_data, tmp_path, max_iters=2)))
 

@@ -180,10 +180,10 @@ def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(char_data, t
 
 def test_a_missing_peer_fails_within_dist_timeout_with_advice(char_data, tmp_path):
     # rank 0 of 2, and rank 1 never comes: no hang, one clear message, exit status 1
-    started = time.time()
-    proc = python("train.py", *tiny_args(char_data, tmp_path, dist_timeout=3), timeout=60, RANK=0, WORLD_SIZE=2,
+    started = time.monotonic()
+    proc = python("train.py", *tiny_args(char_data, tmp_path, dist_timeout=3), timeout=90, RANK=0, WORLD_SIZE=2,
                   LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
-    assert proc.returncode == 1 and time.time() - started < 30
+    assert proc.returncode == 1 and time.monotonic() - started < 45  # (start-up on a busy machine, and 3 s)
     assert "could not form the process group of 2 ranks at 127.0.0.1:" in proc.stderr
     assert "GLOO_SOCKET_IFNAME" in proc.stderr and "Traceback" not in proc.stderr
     # MASTER_PORT held by a program that takes connections and never answers: the store's
@@ -191,10 +191,10 @@ def test_a_missing_peer_fails_within_dist_timeout_with_advice(char_data, tmp_pat
     with socket.create_server(("127.0.0.1", 0)) as silent:
         for addr, port, says in (("127.0.0.1", silent.getsockname()[1], "is another program listening"),
                                  ("no-such-host.invalid", free_port(), "Name or service not known")):
-            started = time.time()
-            proc = python("train.py", *tiny_args(char_data, tmp_path, dist_timeout=2), timeout=60, RANK=1,
+            started = time.monotonic()
+            proc = python("train.py", *tiny_args(char_data, tmp_path, dist_timeout=2), timeout=90, RANK=1,
                           WORLD_SIZE=2, LOCAL_RANK=1, MASTER_ADDR=addr, MASTER_PORT=port)
-            assert proc.returncode == 1 and time.time() - started < 20, proc.stderr
+            assert proc.returncode == 1 and time.monotonic() - started < 40, proc.stderr
             line, = proc.stderr.splitlines()
             assert line.startswith(f"error: rank 1 on {socket.gethostname()} could not form the process group "
                                    f"of 2 ranks at {addr}:{port}") and says in line, line
