@@ -21,6 +21,9 @@ def test_file_then_overrides_resolve_in_order(tmp_path):
     assert cfg.dataset == "shakespeare" and cfg.n_embd == 32 and cfg.data_dir == str(tmp_path / "d")  # the file's
     assert cfg.compile is True and cfg.out_dir == "out-7" and cfg.min_lr is None
     assert cfg.n_head == Config().n_head           # untouched names keep their defaults
+    cfg_file.write_bytes(b"\xef\xbb\xbfn_layer = 2\n")  # a byte-order mark, as some Windows editors save it
+    assert resolve([str(cfg_file)]).n_layer == 2
+    assert Config(pad_vocab_to=64).model_args(65)["pad_vocab_to"] == 64  # (the model is built from these)
 
 
 def test_unknown_name_suggests_the_closest_valid_name(tmp_path):

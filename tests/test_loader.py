@@ -173,6 +173,10 @@ def test_an_id_past_the_vocabulary_is_named_and_read_as_zero(tmp_path, bad):
     tokens.vocab_size = 65
     assert tokens.windows(np.array([0, 40]), 8)[1].tolist() == [40, 41, 0, 43, 44, 45, 46, 47]
     assert tokens.bad.startswith(f"{path} holds token id {bad} at token position 42,")
+    ids[80] = bad + 1  # another, read later: the first one found stays the one named
+    ids.tofile(path)
+    tokens.windows(np.array([76]), 8)
+    assert tokens.bad.startswith(f"{path} holds token id {bad} at token position 42,")
 
 
 def test_more_shards_than_a_shells_open_file_limit_are_read(tmp_path, monkeypatch):

@@ -107,7 +107,7 @@ def test_cached_greedy_generation_matches_full_recompute(prompt_len):
     assert torch.equal(out, reference_greedy(model, idx, max_new_tokens))
 
 
-@pytest.mark.parametrize("block_size", [16, 15])
+@pytest.mark.parametrize("block_size", [16, 15, 1])  # (1: the half block is no token; one is kept)
 def test_generation_past_block_size_rebuilds_cache_and_matches_reference(block_size):
     model = small_model(dtype=torch.float64, block_size=block_size)
     idx = random_tokens(2, 5, 97)
@@ -116,11 +116,12 @@ def test_generation_past_block_size_rebuilds_cache_and_matches_reference(block_s
     assert torch.equal(out, reference_greedy(model, idx, 60))
 
 
-def test_each_cached_step_sees_the_context_the_rule_gives(monkeypatch):
+@pytest.mark.parametrize("block_size", [8, 15])
+def test_each_cached_step_sees_the_context_the_rule_gives(monkeypatch, block_size):
     """Each step's logits are a full forward over reference_greedy's context. Random tokens are fed in:
     a random model's greedy output repeats one token, which cannot show what context a step saw."""
     import model as model_module
-    model, seen = small_model(dtype=torch.float64, block_size=8), []
+    model, seen = small_model(dtype=torch.float64, block_size=block_size), []
     idx, fed = random_tokens(2, 5, 97), random_tokens(2, 30, 97, seed=2)
     monkeypatch.setattr(model_module, "_sample", lambda logits, *args: seen.append(logits) or
                         fed[:, len(seen) - 1:len(seen)])
@@ -128,7 +129,7 @@ def test_each_cached_step_sees_the_context_the_rule_gives(monkeypatch):
     assert torch.equal(out[:, 5:], fed) and len(seen) == 30
     for step, logits in enumerate(seen):
         assert torch.allclose(logits, model(out[:, :5 + step][:, -n_context:])[0][:, -1]), step
-        n_context = n_context + 1 if n_context < 8 else 4  # past block_size: from its last half again
+        n_context = n_context + 1 if n_context < block_size else block_size // 2  # past it: its last half again
 
 
 def test_generation_crops_a_prompt_longer_than_block_size():
@@ -219,6 +220,9 @@ def test_temperature_zero_and_top_k_one_are_greedy():
     assert torch.equal(model.generate(idx, 20, temperature=0), greedy)
     # a temperature that is 0 in float32 once divided the logits by 0: NaN probabilities, a traceback
     assert torch.equal(model.generate(idx, 20, temperature=1e-300, generator=torch.Generator()), greedy)
+    import model as model_module  # a temperature just above that, on GPT-2's large negative logits: no overflow to -inf
+    logits = torch.randn(2, 11, generator=torch.Generator().manual_seed(0)) * 4 - 100
+    assert torch.equal(model_module._sample(logits, 2e-38, None, None), logits.argmax(-1, keepdim=True))
     for temperature in (1.0, 1e300):  # (1e300 made every logit 0 before top_k: it kept them all)
         top1 = model.generate(idx, 20, temperature=temperature, top_k=1, generator=torch.Generator().manual_seed(0))
         assert torch.equal(top1, greedy)
