@@ -301,12 +301,11 @@ def lineage(out_dir: Path, last: Path, resumed_from, saved: tuple, resume: str) 
     this run wrote it)). Resumed from another of out_dir's checkpoints, nothing saved since, a damaged last
     (or older than the other format's) must not become previous; a readable one a rollback replaces does.
     fresh: the first save of a run that did not continue one of out_dir's (started afresh, or elsewhere)."""
-    if resumed_from is None:  # started afresh: an earlier run's last becomes previous if it reads
-        return saved is not None or newest_step([last]) >= 0, saved is None
-    resumed, real = Path(resumed_from), os.path.realpath  # (Path.resolve raises on a link loop)
-    elsewhere = real(resumed.parent) != real(out_dir)
-    rotate = real(resumed) == real(last) or elsewhere or saved[2] or resume != "auto" and newest_step([last]) >= 0
-    return rotate, not saved[2] and elsewhere
+    resumed, real = Path(resumed_from or last), os.path.realpath  # (Path.resolve raises on a link loop)
+    elsewhere, wrote = real(resumed.parent) != real(out_dir), bool(saved and saved[2])
+    rotate = wrote or elsewhere or bool(resumed_from) and real(resumed) == real(last) or (  # (started afresh: an
+        resume != "auto" or resumed_from is None) and newest_step([last]) >= 0  # earlier run's last, if it reads)
+    return rotate, saved is None or not wrote and elsewhere
 
 
 def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
