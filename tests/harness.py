@@ -266,13 +266,20 @@ def _rank_entry(rank: int, world_size: int, port: int, env: dict, fn, args: tupl
 mp.set_forkserver_preload(["torch", "torch.distributed", "numpy", "pytest", "train"])
 
 
-def run_ranks(fn, world_size: int, *args):
+def run_ranks(fn, world_size: int, *args, timeout: float = 600):
     """Call fn(rank, world_size, *args) in world_size new processes set up like torchrun's.
 
     fn must be a module-level function; it may call train.main or build its own process group.
+    Ranks still running after `timeout` seconds are killed and the test fails (not the whole suite).
     """
-    mp.start_processes(_rank_entry, args=(world_size, free_port(), dict(os.environ), fn, args),
-                       nprocs=world_size, start_method="forkserver")
+    ranks = mp.start_processes(_rank_entry, args=(world_size, free_port(), dict(os.environ), fn, args),
+                               nprocs=world_size, start_method="forkserver", join=False)
+    deadline = time.monotonic() + timeout
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            raise AssertionError(f"{world_size} ranks still running after {timeout} s: a hang")
 
 
 def _saying(rank: int, world_size: int, fn, out: str, in_group: bool, args: tuple):
