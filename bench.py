@@ -286,7 +286,7 @@ def main(argv=None):
             cfg = resolve(cfg_args + FIXED + [f"--strategy={strategy}"] + AS_DDP * (strategy == "ddp"))  # as run
         except ConfigError as e:
             raise ConfigError(f"the {strategy} run: {e}") from None
-        shape = GPTConfig(**pretrained.model_args(cfg, meta)[0])  # (GPT-2's is read here: offline, it fails now)
+        shape = GPTConfig(**pretrained.model_args(cfg, meta))  # (GPT-2's is read here: offline, it fails now)
         for n in nprocs:  # as rank 0 of n processes will see it: the global batch and fsdp_shard_size must split
             if problem := memory_problem(shape, cfg, setup(cfg, claim=False, world=World(size=n, local_size=n))):
                 raise ConfigError(problem)

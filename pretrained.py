@@ -203,13 +203,13 @@ def read_shape(folder: Path) -> dict:
     return shape
 
 
-def model_args(cfg, meta: dict) -> tuple:
-    """(model arguments, init_from): the config's shape on the dataset's vocabulary, or GPT-2's (read here, on rank 0).
-    A resume of a run started from GPT-2 takes its dimensions and init_from from the checkpoint: the files may go."""
+def model_args(cfg, meta: dict) -> dict:
+    """The run's model arguments: the config's shape on the dataset's vocabulary, or GPT-2's (read here, on rank 0).
+    A resume of a run started from GPT-2 takes GPT-2's dimensions from its checkpoint: the files may go."""
     if cfg.init_from != "scratch" and (resumed := resumed_shape(cfg)):
-        return {**cfg.model_args(meta["vocab_size"]), **resumed[1]}, resumed[0]
+        return {**cfg.model_args(meta["vocab_size"]), **resumed}
     if not is_pretrained(cfg.init_from):
-        return cfg.model_args(meta["vocab_size"]), cfg.init_from
+        return cfg.model_args(meta["vocab_size"])
     shape = gpt2_shape(cfg.init_from)
     if cfg.block_size > shape["block_size"]:
         raise ConfigError(f"block_size {cfg.block_size} is longer than {cfg.init_from}'s {shape['block_size']} "
@@ -220,11 +220,11 @@ def model_args(cfg, meta: dict) -> tuple:
         raise ConfigError(f"{cfg.init_from} reads GPT-2 BPE tokens ({shape['vocab_size']} of them), but the dataset "
                           f"is {meta['tokenizer']} with {meta['vocab_size']}: use a GPT-2 BPE dataset, "
                           f"e.g. --dataset=shakespeare")
-    return {**cfg.model_args(meta["vocab_size"]), **shape, "block_size": cfg.block_size}, cfg.init_from  # (bias: True)
+    return {**cfg.model_args(meta["vocab_size"]), **shape, "block_size": cfg.block_size}  # (bias: checked True)
 
 
 def resumed_shape(cfg):
-    """(init_from, n_layer/n_head/n_embd) of the checkpoint a resume takes first if its run started from GPT-2 (from
+    """n_layer, n_head and n_embd of the checkpoint a resume takes first if its run started from GPT-2 (from
     cfg.init_from, or any with init_from=resume); else None (checkpoint.resume reports what is wrong with it)."""
     for path in checkpoint.find(cfg):
         try:
@@ -232,7 +232,7 @@ def resumed_shape(cfg):
             start = saved["config"]["init_from"]  # (a folder: by its path, however it is spelled)
             same = isinstance(start, str) and is_pretrained(start) and (cfg.init_from in (start, "resume") or (
                 cfg.init_from not in RELEASED and os.path.realpath(start) == os.path.realpath(cfg.init_from)))
-            return (start, {k: saved["model_args"][k] for k in ("n_layer", "n_head", "n_embd")}) if same else None
+            return {k: saved["model_args"][k] for k in ("n_layer", "n_head", "n_embd")} if same else None
         except (ConfigError, LookupError, TypeError):  # unreadable or not one of ours: the next one
             continue
     return None

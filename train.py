@@ -11,8 +11,7 @@
 
 Arguments are config files (plain Python) and --name=value overrides (docs/config.md); ranks come
 from the launcher's environment (world.py). Only rank 0 writes into out_dir (each rank its shards of
-a sharded checkpoint). A mistake ends every rank at once, with one message (docs/troubleshooting.md).
-"""
+a sharded checkpoint). A mistake ends every rank at once, with one message (docs/troubleshooting.md)."""
 
 import math
 import signal
@@ -20,7 +19,6 @@ import sys
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -112,18 +110,18 @@ class Run:
     scaler: torch.amp.GradScaler
     loader: ShardedTokenLoader
     eval_sets: dict           # split -> (tokens, fixed window starts)
-    hellaswag: Optional[list] # HellaSwag's examples, rendered (None when hellaswag_interval is 0)
+    hellaswag: list | None    # HellaSwag's examples, rendered (None when hellaswag_interval is 0)
     model_args: dict
     vocab: dict               # what the ids mean: meta.json's tokenizer (and chars), kept in every checkpoint
     autocast: object          # torch.autocast for bfloat16/float16, a null context for float32
     step: int = 0  # loop state from here on
     best_val_loss: float = math.inf
-    val_loss: Optional[float] = None
-    resumed_from: Optional[str] = None
-    saved: Optional[tuple] = None  # for messages: (name, step, True) this run wrote, or (path, step, False) resumed
-    pending: Optional[sharded.Background] = None  # async_checkpoint: the save being written
+    val_loss: float | None = None
+    resumed_from: str | None = None
+    saved: tuple | None = None  # for messages: (name, step, True) this run wrote, or (path, step, False) resumed
+    pending: sharded.Background | None = None  # async_checkpoint: the save being written
     hellaswag_step: int = -1  # the step HellaSwag was last evaluated at: a resume neither repeats nor skips one
-    history: Optional[str] = None  # rank 0's: the resumed checkpoint's log, which metrics.jsonl starts with
+    history: str | None = None  # rank 0's: the resumed checkpoint's log, which metrics.jsonl starts with
 
     def state_dict(self, tensors: bool = True, log: str = "") -> dict:
         """The file format's checkpoint, or (tensors=False) the plain values a sharded one keeps in
@@ -206,7 +204,7 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
     """Model (sharded for FSDP), optimizer, scaler, loader and eval windows; then the checkpoint,
     if one continues this run, or GPT-2's weights; then compile and DDP, which wrap the model."""
     torch.manual_seed(cfg.seed)  # the same init on every rank: the weights do not depend on the world size
-    model_args, cfg.init_from = on_rank0(lambda: pretrained.model_args(cfg, meta), world)  # (rank 0 reads GPT-2's)
+    model_args = on_rank0(lambda: pretrained.model_args(cfg, meta), world)  # (GPT-2's shape: rank 0 reads it)
     # an impossible size is refused before anything is allocated (hosts may differ: agree)
     agree_or_raise(parallel.memory_problem(GPTConfig(**model_args), cfg, world), world)
     # FSDP: only rank 0 builds the whole model; every rank gets its shard of rank 0's weights
@@ -230,6 +228,8 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
               autocast=autocast(world))
     # rank 0 reads and checks the file (other hosts need no copy); the others get its run state
     ckpt = checkpoint.resume(cfg, model_args, world, run.load_state_dict, meta)
+    if ckpt is not None and cfg.init_from == "resume":  # the run it continues began there (export_hf guards it)
+        cfg.init_from = ckpt["config"].get("init_from", "resume")
     if ckpt is None and pretrained.is_pretrained(cfg.init_from):
         ckpt = on_rank0(lambda: {"model": pretrained.load_state(cfg.init_from, raw_model)}, world, ("model",))
         parallel.load_full_state(raw_model, optimizer, world, ckpt)

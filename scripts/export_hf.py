@@ -42,8 +42,9 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
     model of GPT-2's BPE, the tokenizer files. They are made in a temporary folder inside it, then
     moved in: a failure (a full disk, a damaged vocabulary file) leaves what was there as it was."""
     folder = Path(folder)
+    parts = (p.name for p in (*folder.glob("model-*-of-*.safetensors"), *folder.glob("pytorch_model-*-of-*.bin")))
     stale = ("pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json", "tokenizer.json",
-             "generation_config.json", "added_tokens.json", "special_tokens_map.json",
+             "generation_config.json", "added_tokens.json", "special_tokens_map.json", *parts,  # (a download in parts)
              ) + TOKENIZER_FILES * (not gpt2_tokenizer)  # (the two: ids past the vocabulary)
     for name in ("config.json", "model.safetensors", *TOKENIZER_FILES, *stale):  # (else some were replaced first)
         if (folder / name).is_dir() and not (folder / name).is_symlink():
@@ -64,9 +65,8 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
                 write_gpt2_tokenizer_files(tmp, cfg.block_size)
             for made in sorted(Path(tmp).iterdir()):
                 os.replace(made, folder / made.name)
-        parts = [*folder.glob("model-*-of-*.safetensors"), *folder.glob("pytorch_model-*-of-*.bin")]  # (and indexes)
-        for path in [*map(folder.joinpath, stale), *parts]:  # an earlier export's or download's: another model's
-            path.unlink(missing_ok=True)
+        for name in stale:  # an earlier export's or download's files would describe another model (or tokenizer)
+            (folder / name).unlink(missing_ok=True)
         fsync_dir(folder)
 
 

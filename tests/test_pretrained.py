@@ -273,7 +273,8 @@ def test_fine_tuning_on_two_ranks_starts_from_the_folder_and_resumes_exactly(tmp
     assert all(torch.equal(whole[k], split[k]) for k in whole)
 
 
-def test_a_resume_needs_a_folder_named_without_a_slash_no_more(tmp_path, bpe_data, hf_folder, train, monkeypatch):
+def test_a_resume_needs_a_folder_named_without_a_slash_no_more(tmp_path, bpe_data, hf_folder, train, monkeypatch,
+                                                               script):
     """(a folder named as an export names it, gpt2-shakespeare, was refused once gone: "not scratch, resume,
     a GPT-2 name or a folder", though its shape is in the checkpoint)"""
     monkeypatch.chdir(tmp_path)
@@ -289,6 +290,18 @@ def test_a_resume_needs_a_folder_named_without_a_slash_no_more(tmp_path, bpe_dat
     assert checkpoint.read(tmp_path / "out" / "last.pt", tensors=False)["config"]["init_from"] == "tiny-gpt2"
     again = tiny_finetune(bpe_data, tmp_path / "out", "tiny-gpt2", max_iters=4, eval_interval=1, resume="auto")
     assert "resuming from" in train(again).stdout and checkpoint.read(tmp_path / "out" / "last.pt")["step"] == 4
+    import zipfile
+    for name in ("last.pt", "previous.pt"):  # a weight's byte flipped (the rest reads): init_from=resume cannot
+        path = tmp_path / "out" / name     # start afresh, so the line says --init_from=scratch with --resume=never
+        record = next(i for i in zipfile.ZipFile(path).infolist() if "/data/" in i.filename and i.file_size > 1000)
+        with open(path, "r+b") as f:
+            f.seek(record.header_offset + 30 + len(record.filename) + len(record.extra) + 100)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 255]))
+    ran = script("train.py", *tiny_finetune(bpe_data, tmp_path / "out", "resume", resume="auto"))
+    assert ran.returncode == 2 and "fails its CRC-32 check" in ran.stderr and ran.stderr.endswith(
+        "or --resume=never --init_from=scratch\n"), ran.stderr
 
 
 HF_SHAPE_OURS = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=50257)

@@ -262,9 +262,11 @@ def test_the_converter_checks_a_folder_before_writing(sharded, tmp_path, script,
     assert ran.returncode == 2 and ran.stderr == (f"error: {tmp_path / 'x.bin'}: name the file NAME.pt, as train.py "
                                                   f"and resume= expect\n"), ran.stderr
     (tmp_path / "file").write_text("")
-    ran = script("scripts/convert_checkpoint.py", out / "last.dcp", out / "last.dcp" / "x.pt")  # (a save took it)
-    assert ran.returncode == 2 and ran.stderr == (f"error: {out / 'last.dcp' / 'x.pt'} is inside a sharded checkpoint, "
-                                                  f"which a save replaces: write it beside it\n"), ran.stderr
+    (tmp_path / "link").symlink_to(out / "last.dcp")
+    for inside in (out / "last.dcp" / "x.pt", tmp_path / "link" / "x.pt"):  # (a save took it)
+        ran = script("scripts/convert_checkpoint.py", out / "last.dcp", inside)
+        assert ran.returncode == 2 and ran.stderr == (f"error: {inside} is inside a sharded checkpoint, which a save "
+                                                      f"replaces: write it beside it\n"), ran.stderr
     ran = script("scripts/convert_checkpoint.py", out / "last.dcp", tmp_path / "file" / "x.pt")  # was "File exists"
     assert ran.returncode == 2 and ran.stderr == (f"error: cannot write {tmp_path / 'file' / 'x.pt'}: it is a file, "
                                                   f"or lies under one\n"), ran.stderr
