@@ -465,14 +465,15 @@ def test_wandb_is_told_whether_the_run_failed(char_data, tmp_path, monkeypatch):
     class FakeRun:  # what wandb.init returns: no service process, no files
         def log(self, record, step):
             logged.append(step)
-            assert "step" not in record  # (wandb's own axis, not a chart)
+            records.append(record)
 
         def finish(self, exit_code):
             finished.append(exit_code)
-    started = []
+    started, records = [], []
     monkeypatch.setattr(wandb, "init", lambda **kwargs: started.append(kwargs) or FakeRun())
     train_here(char_data, tmp_path / "ok", wandb_log=True, max_iters=2, eval_interval=2)
     assert started[0]["config"] == ckpt(tmp_path / "ok", "last.pt")["config"]  # the run's settings, for its charts
+    assert records and not any("step" in record for record in records)  # (wandb's own axis, not a chart)
     monkeypatch.setattr(train, "optimizer_step", raising(RuntimeError("a step failed")))
     with pytest.raises(RuntimeError, match="a step failed"):
         train_here(char_data, tmp_path / "failed", wandb_log=True, max_iters=2, eval_interval=2)
