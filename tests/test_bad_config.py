@@ -807,12 +807,16 @@ def test_an_out_dir_in_a_sharded_checkpoint_or_a_dataset_or_model_folder_is_refu
         folder.mkdir()
         (folder / "config.json").write_text('{"model_type": "gpt2"}')
         (folder / weights).write_bytes(b"weights")
-    before = {p: p.read_bytes() for folder in (data, model, older) for p in folder.iterdir()}
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "edufineweb_train_000001.bin").write_bytes(b"tokens")
+    before = {p: p.read_bytes() for folder in (data, model, older, shards) for p in folder.iterdir()}
     for out, why in ((tmp_path / "run" / "last.dcp" / "sub", f"inside the checkpoint {tmp_path / 'run' / 'last.dcp'}, "
                                                              f"which a save replaces"),
                      (tmp_path / "run" / "last.dcp", f"inside the checkpoint {tmp_path / 'run' / 'last.dcp'}, "
                                                      f"which a save replaces"),  # (itself: it was taken)
                      (data, "a dataset folder, whose meta.json the run writes"),
+                     (shards, "a dataset folder, whose meta.json the run writes"),  # (llm.c's token shards)
                      (model, "a Hugging Face model's folder, whose config.json the run writes"),
                      (older, "a Hugging Face model's folder, whose config.json the run writes")):
         proc = script("train.py", *tiny_args(char_data, out))
@@ -823,7 +827,7 @@ def test_an_out_dir_in_a_sharded_checkpoint_or_a_dataset_or_model_folder_is_refu
                                                     f"writes: choose another --out_dir\n"), proc.stderr
     assert resolve([f"--data_dir={new}", f"--out_dir={new}"])  # (eval.py and bench.py write no out_dir: theirs)
     assert not (tmp_path / "run" / "last.dcp" / "sub").exists() and not new.exists()
-    assert {p: p.read_bytes() for folder in (data, model, older) for p in folder.iterdir()} == before
+    assert {p: p.read_bytes() for folder in (data, model, older, shards) for p in folder.iterdir()} == before
 
 
 def test_a_new_out_dir_deleted_under_a_failing_run_leaves_its_own_error(tmp_path):
@@ -832,6 +836,14 @@ def test_a_new_out_dir_deleted_under_a_failing_run_leaves_its_own_error(tmp_path
         with checkpoint.locked_out_dir(tmp_path / "out", world.World()):
             shutil.rmtree(tmp_path / "out")
             raise RuntimeError("the run's own failure")
+    made = tmp_path / "made"  # one the user made, empty: it stays (only a folder the run made for nothing goes)
+    made.mkdir()
+    (made / "run.lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": "x" * 500}))  # longer
+    with pytest.raises(RuntimeError, match="the run's own failure"):
+        with checkpoint.locked_out_dir(made, world.World()):
+            assert json.loads((made / "run.lock").read_text())["pid"] == os.getpid()  # (not a longer note's tail)
+            raise RuntimeError("the run's own failure")
+    assert made.is_dir()
 
 
 def test_wandb_that_cannot_start_is_one_line(char_data, tmp_path, script, monkeypatch):

@@ -178,6 +178,9 @@ def test_when_no_checkpoint_reads_the_line_says_what_to_do(trained_copy, char_da
     (out / "best.pt").unlink()  # (a best to try was suggested where there was none)
     with pytest.raises(ConfigError, match=r"give --resume=PATH of one that reads, or --resume=never$"):
         train_here(char_data, out, max_iters=10, resume="auto")
+    (out / "best.dcp").mkdir()  # the sharded format's best
+    with pytest.raises(ConfigError, match=r"give --resume=PATH of one that reads \(best\?\), or --resume=never$"):
+        train_here(char_data, out, max_iters=10, resume="auto")
 
 
 def test_a_resume_at_or_past_max_iters_says_nothing_is_left_to_train(trained_copy, char_data, capsys):
@@ -260,6 +263,9 @@ def test_a_fresh_start_rotates_an_earlier_last_only_if_it_reads(trained_copy, ch
     assert (out / name.replace("last", "previous")).exists()  # a readable one is rotated
     if checkpoint_format == "file":
         assert (out / "previous.pt").read_bytes() != previous
+        torch.save({"w": torch.zeros(3)}, out / "last.pt")  # another program's tensors, no step: not ours, replaced
+        train_here(char_data, out, max_iters=5, eval_interval=5, resume="never")
+        assert torch.load(out / "last.pt", weights_only=True)["step"] == 5
 
 
 SCALER = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, _growth_tracker=0)

@@ -182,6 +182,11 @@ def test_a_file_size_limit_and_a_full_disk_are_named_as_they_are(tmp_path):
     try:
         assert disk_full(RuntimeError("unexpected pos 64 vs 32"), tmp_path, need=2**21) == (
             "File too large: a checkpoint takes about 2.1 MB, the file-size limit is 1.0")
+        import checkpoint
+        import torch
+        with pytest.raises(OSError) as written:  # (its errno is EFBIG's: it said ENOSPC's)
+            checkpoint.write({"w": torch.zeros(2**19)}, tmp_path / "x.pt")
+        assert written.value.errno == errno.EFBIG and not (tmp_path / "x.pt").exists()
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     import fcntl  # a folder that cannot be locked (NFS), nested as train.py's start-up nests a prepare's: said once

@@ -200,7 +200,7 @@ def test_a_missing_peer_fails_within_dist_timeout_with_advice(char_data, tmp_pat
                                    f"of 2 ranks at {addr}:{port}") and says in line, line
 
 
-def _corrupt_first_all_reduce(rank):
+def _corrupt_first_all_reduce(rank, change=lambda tensor: tensor.add_(1000)):
     """Make rank 1's first all-reduce contribute garbage, like a broken link or driver would."""
     import torch.distributed as dist
     original = dist.all_reduce
@@ -208,15 +208,20 @@ def _corrupt_first_all_reduce(rank):
     def all_reduce(tensor, *args, **kwargs):
         if rank == 1 and not getattr(all_reduce, "done", False):
             all_reduce.done = True
-            tensor += 1000
+            change(tensor)
         return original(tensor, *args, **kwargs)
 
     dist.all_reduce = all_reduce
 
 
-def test_the_startup_all_reduce_catches_a_broken_fabric_before_training(char_data, tmp_path):
+def _drop_first_all_reduce(rank):
+    """Rank 1's contribution lost (each rank left with its own value, the commoner failure): a sum too small."""
+    _corrupt_first_all_reduce(rank, lambda tensor: tensor.zero_())
+
+
+@pytest.mark.parametrize("patch, got", [(_corrupt_first_all_reduce, "1003.0"), (_drop_first_all_reduce, "1.0")])
+def test_the_startup_all_reduce_catches_a_broken_fabric_before_training(char_data, tmp_path, patch, got):
     # its own RunError, not a lost peer's message
-    with pytest.raises(Exception, match="RunError: the startup all-reduce over gloo gave 1003.0, not 3.0"):
-        run_world(2, tiny_args(char_data, tmp_path / "out"), tmp_path / "results",
-                  patch=_corrupt_first_all_reduce)
+    with pytest.raises(Exception, match=f"RunError: the startup all-reduce over gloo gave {got}, not 3.0"):
+        run_world(2, tiny_args(char_data, tmp_path / "out"), tmp_path / "results", patch=patch)
     assert not (tmp_path / "out" / "last.pt").exists()

@@ -143,6 +143,8 @@ class Exploit:
 def damage(kind: str, last: Path):
     if kind == "no metadata":  # a save killed before rank 0 finished it
         (last / ".metadata").unlink()
+    elif kind == "no run.json":
+        (last / "run.json").unlink()
     elif kind == "a rank's part missing":
         (last / "__0_0.distcp").unlink()
     elif kind == "a part cut short":
@@ -182,6 +184,7 @@ def damage(kind: str, last: Path):
 
 @pytest.mark.parametrize("kind, message", [
     ("no metadata", ".metadata is missing; the save that wrote it did not finish"),
+    ("no run.json", "run.json is missing; the save that wrote it did not finish"),
     ("a rank's part missing", "__0_0.distcp (one rank's part) is missing"),
     ("a part cut short", "__0_0.distcp is cut short"),
     ("a part one byte short", "__0_0.distcp is cut short"),
