@@ -19,6 +19,8 @@ from world import World, available_memory
 # A padded vocabulary's logits are a slice, a view, which FSDP warns an in-place op could bypass its
 # backward hook through: nothing here changes logits in place (model.py's forward)
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPT\) returned a view tensor")
+# ShardedGradScaler's own found_inf (shape [1]) made into a replicated DTensor: torch's internals, not the run's
+warnings.filterwarnings("ignore", message=r"Found a non-scalar tensor with numel=1 and ndim!=0")
 
 
 def is_fsdp(model) -> bool:

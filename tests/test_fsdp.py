@@ -144,6 +144,8 @@ def test_a_float16_fsdp_checkpoint_resumes_under_ddp(char_data, tmp_path):
     # FSDP's float16 AdamW is unfused (see build_run), and its saved param_groups say so: the
     # fused DDP run that resumes it must keep its kernel, or its scaler's step hits the unfused one
     run_world(2, args_for(char_data, tmp_path, strategy="fsdp", dtype="float16", max_iters=2), tmp_path / "results")
+    for r in (0, 1):  # (torch's warning for its sharded scaler's found_inf, on every rank)
+        assert "Warning" not in (tmp_path / "results" / f"rank{r}.log").read_text()
     assert train.main(resolve(args_for(char_data, tmp_path, dtype="float16", resume="auto")))["step"] == STEPS
     assert all(g["fused"] for g in ckpt(tmp_path)["optimizer"]["param_groups"])
 
