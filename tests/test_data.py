@@ -555,12 +555,14 @@ def test_a_prepare_script_refuses_a_training_runs_out_dir(tmp_path, monkeypatch)
     run = tmp_path / "run"
     run.mkdir()
     (run / "meta.json").write_text("the run's")
-    for name in ("last.pt", "run.lock"):
-        (run / name).write_text("")
+    for name in ("last.pt", "run.lock", "last.dcp"):  # (an ended run of the sharded format: its folder)
+        (run / name).mkdir() if name.endswith(".dcp") else (run / name).write_text("")
         with pytest.raises(ConfigError, match=f"argument --out_dir: {run} is a training run's out_dir: give the "
                                               f"dataset a folder of its own"):
             char_prepare.main(["--input", str(REPO / "README.md"), "--out_dir", str(run)])
-        (run / name).unlink()
+        (run / name).rmdir() if name.endswith(".dcp") else (run / name).unlink()
+    from data.streaming import shard_arguments  # 200 MB shards by default, as docs/data.md says
+    assert shard_arguments("x", "r").parse_args([]).shard_tokens == 10**8
     assert (run / "meta.json").read_text() == "the run's"
     # a user without a home (no HOME, no passwd entry): the GPT-2 vocabulary in data/ was not reached
     import tempfile

@@ -117,6 +117,7 @@ def test_openwebtext_prepare_splits_documents_by_nanogpts_rule(corpus, tmp_path)
     assert np.array_equal(shard_tokens(out, meta["shards"]["train"]),
                           encoded([d for i, d in enumerate(docs) if i not in val]))
     assert meta["shards"]["val"][0]["file"] == "openwebtext_val_000000.bin"
+    assert meta["prepared_with"]["split_seed"] == 2357 and meta["prepared_with"]["val_fraction"] == 0.0005  # (rerun)
 
 
 @pytest.mark.slow
@@ -154,6 +155,21 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
         resumed = prepare("fineweb", *args, f"--out_dir={out}")
         assert resumed.returncode == 0 and "resuming: " in resumed.stdout, resumed.stderr
         assert {p.name: p.read_bytes() for p in out.iterdir()} == straight  # no temporaries, no progress file
+    # openwebtext's val stream writes no shard before the end: a resume starts at its first document, not
+    # at the train stream's resume point (the val documents before it were lost to the val split)
+    assert prepare("openwebtext", *args, f"--out_dir={tmp_path / 'owt'}").returncode == 0
+    proc = subprocess.Popen([sys.executable, "data/openwebtext/prepare.py", *args, f"--out_dir={tmp_path / 'owt-9'}"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    progress, deadline = tmp_path / "owt-9" / ".progress.json", time.monotonic() + 60
+    while not (progress.exists() and len(json.loads(progress.read_text() or "{}").get("streams", {})
+                                         .get("train", {}).get("shards", [])) >= 60):  # (past part0: its 502nd is val's)
+        assert proc.poll() is None and time.monotonic() < deadline, "the prepare finished before it could be killed"
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    assert prepare("openwebtext", *args, f"--out_dir={tmp_path / 'owt-9'}").returncode == 0
+    assert {p.name: p.read_bytes() for p in (tmp_path / "owt-9").iterdir()} == {
+        p.name: p.read_bytes() for p in (tmp_path / "owt").iterdir()}
     # a disk that fills midway: one line naming the folder (once a bare "[Errno 28] No space left on
     # device"), and what was written goes on, once there is room, to the same bytes
     with small_disk(tmp_path / "tiny", f"{sum(map(len, straight.values())) // 2048}k") as disk:
@@ -387,9 +403,11 @@ def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script,
 
 
 def test_blank_jsonl_lines_are_skipped_and_a_null_parquet_text_is_an_empty_document(tmp_path, script):
-    (tmp_path / "corpus").mkdir()  # (a byte-order mark starting a .jsonl or a .txt file is no text)
-    (tmp_path / "corpus" / "a.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "a b"}\n\n{"text": "c"}\n\n')
-    pq.write_table(pa.table({"text": ["d", None]}), tmp_path / "corpus" / "b.parquet")
+    (tmp_path / "corpus").mkdir()  # (a byte-order mark starting a .jsonl or a .txt file is no text; a text that
+    # names the end-of-text token is text: it was the token, a document boundary that is none)
+    (tmp_path / "corpus" / "a.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "a <|endoftext|> b"}\n\n{"text": "c"}\n\n')
+    pq.write_table(pa.table({"text": pa.array(["d", None], pa.large_string())}),  # (Polars' strings)
+                   tmp_path / "corpus" / "b.parquet")
     (tmp_path / "corpus" / "c.txt").write_bytes(b"\xef\xbb\xbfe f")
     pq.write_table(pa.table({"text": pa.array(["g", "g h"]).dictionary_encode()}), tmp_path / "corpus" / "d.parquet")
     out = tmp_path / "out"  # (d: a pandas categorical column's strings)
@@ -398,7 +416,7 @@ def test_blank_jsonl_lines_are_skipped_and_a_null_parquet_text_is_an_empty_docum
     assert proc.returncode == 0, proc.stderr
     meta = json.loads((out / "meta.json").read_text())
     assert meta["documents"] == 7 and np.array_equal(shard_tokens(out, meta["shards"]["val"] + meta["shards"]["train"]),
-                                                     encoded(["a b", "c", "d", "", "e f", "g", "g h"]))
+                                                     encoded(["a <|endoftext|> b", "c", "d", "", "e f", "g", "g h"]))
 
 
 def test_a_tokenizing_worker_leaves_ctrl_c_to_the_main_process_and_reports_a_failed_start(monkeypatch):
@@ -450,7 +468,11 @@ MISCOUNTED = {"format": 1, "vocab_size": 50257, "dtype": "uint16", "tokenizer": 
 
 @pytest.mark.parametrize("name, text", [("meta.json", "[]"), (".progress.json", "[]"),
                                         (".progress.json", '{"settings": {}, "counts": [], "streams": {"s": {}}}'),
-                                        (".progress.json", ""),  # and nested past what the parser takes:
+                                        (".progress.json", ""),
+                                        (".progress.json", '{"settings": {}, "counts": ["9"], "streams": {}}'),
+                                        (".progress.json", '{"settings": {}, "counts": [], "streams": {"s": {'
+                                                           '"shards": [{"split": "Val", "file": "x.bin", "tokens": 1,'
+                                                           ' "sha256": "0"}], "resume": [0, 0]}}}'),  # and nested past the parser:
                                         pytest.param("meta.json", "[" * 100_000, id="meta.json-nested"),
                                         pytest.param(".progress.json", "[" * 100_000, id="progress-nested"),
                                         pytest.param("meta.json", json.dumps(MISCOUNTED), id="meta.json-miscounted")])
@@ -462,7 +484,7 @@ def test_a_damaged_meta_or_progress_file_is_one_line_naming_it(corpus, tmp_path,
     proc = script("data/fineweb/prepare.py", f"--input={folder}/part2.jsonl", f"--out_dir={out}", "--workers=1")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"error: {out / name}" in proc.stderr and f"remove {out} and prepare again" in proc.stderr, proc.stderr
-    if "shards" in text:
+    if "train_tokens" in text:
         assert "the train shards add up to another count than train_tokens" in proc.stderr, proc.stderr
 
 
