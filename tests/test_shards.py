@@ -400,6 +400,8 @@ def test_a_bad_corpus_exits_2_with_one_line_and_writes_nothing(tmp_path, script,
         proc = script("data/fineweb/prepare.py", f"--input={corpus}/*", f"--out_dir={out}", "--shard_tokens=2",
                       "--workers=1")
         assert proc.returncode == 0, proc.stderr
+        shards = json.loads((out / "meta.json").read_text())["shards"]  # 4 tokens, 2 a shard: no empty third
+        assert [e["tokens"] for e in shards["val"] + shards["train"]] == [2, 2]
 
 
 def test_blank_jsonl_lines_are_skipped_and_a_null_parquet_text_is_an_empty_document(tmp_path, script):
@@ -663,6 +665,9 @@ def test_a_finished_hub_prepare_run_again_offline_downloads_nothing(corpus, tmp_
         again = script(*args)
         assert again.returncode == 0 and "is already prepared" in again.stdout, again.stderr
         assert not list((tmp_path / prepare).rglob("*.parquet"))
+    other = script("data/fineweb/prepare.py", f"--out_dir={tmp_path / 'fineweb'}", "--shard_tokens=3000",
+                   "--subset=sample-100BT")  # (another subset was "already prepared": the wrong data trained on)
+    assert other.returncode == 2 and "other settings" in other.stderr and "subset" in other.stderr, other.stderr
 
 def bad_length(d):
     write_llm_c_shard(d / "x_train_000001.bin", np.arange(5000))
