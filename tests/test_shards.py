@@ -831,3 +831,31 @@ def test_a_meta_json_link_to_nothing_is_refused_not_read_as_gpt2_shards(char_dat
     (shards / ".progress.json").symlink_to(tmp_path / "gone.json")  # an unfinished preparation's, all the same
     with pytest.raises(ValueError, match="holds an unfinished preparation"):
         load_meta(shards)
+
+
+def test_a_prepare_killed_at_its_first_shard_goes_on_and_one_that_waited_looks_again(corpus, tmp_path, monkeypatch):
+    """.progress.json comes before the first shard: a kill between the two left a shard with no progress
+    file, which the rerun refused as another writer's ("no prepare of this repo is writing")."""
+    import data.fineweb.prepare as fineweb
+    from data import streaming
+
+    class Killed(BaseException):
+        pass
+    real = streaming.write_shard
+
+    def killed_after_the_first(path, tokens):
+        real(path, tokens)
+        raise Killed()
+    monkeypatch.setattr(streaming, "write_shard", killed_after_the_first)
+    args = dict(out_dir=tmp_path / "out", input_pattern=f"{corpus[0]}/part2.jsonl", shard_tokens=3000, workers=1)
+    with pytest.raises(Killed):
+        fineweb.prepare(**args)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".progress.json", "fineweb_val_000000.bin"]
+    monkeypatch.setattr(streaming, "write_shard", real)
+    assert fineweb.prepare(**args)["shards"]["val"][0]["file"] == "fineweb_val_000000.bin"
+    # one that waited for another's lock looks again once it has it: that one may have finished meanwhile
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    monkeypatch.setattr(fineweb, "finished", lambda out_dir, settings: None)  # (still under way when it first looked)
+    with pytest.raises(ValueError, match="already holds a dataset prepared with other settings"):
+        fineweb.prepare(**{**args, "shard_tokens": 2000})  # (it prepared again, over the finished dataset)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
