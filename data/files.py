@@ -182,7 +182,8 @@ def disk_full(e: BaseException, folder: Path, need: int):
     if "unexpected pos" in str(e) and free < need:
         return f"No space left on device: a checkpoint takes about {need / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free"
     if "unexpected pos" in str(e) and 0 <= limit < need:  # (RLIM_INFINITY is -1)
-        return f"File too large: a checkpoint takes about {need / 1e6:,.1f} MB, the file-size limit is {limit / 1e6:,.1f}"
+        return (f"File too large: a checkpoint takes about {need / 1e6:,.1f} MB, the file-size limit is "
+                f"{limit / 1e6:,.1f} MB")
     return None
 
 

@@ -149,8 +149,8 @@ def test_a_full_quota_a_path_under_a_file_and_a_second_link_are_named_or_kept(tm
     assert "Disk quota exceeded); no checkpoint of this run was written yet: free disk space" in \
         str(CheckpointNotWritten(3, "[Errno 122] Disk quota exceeded", None))
     under = OSError(errno.ENOTDIR, "Not a directory")  # out_dir=FILE/out
-    assert str(OutDirUnwritable(tmp_path / "f" / "out", NotADirectoryError(*under.args))) == (
-        f"out_dir {tmp_path / 'f' / 'out'} cannot be written (it is a file, or lies under one): choose another --out_dir")
+    assert str(OutDirUnwritable(tmp_path / "f" / "out", NotADirectoryError(*under.args))) == (f"out_dir {tmp_path}"
+        f"/f/out cannot be written (it is a file, or lies under one): choose another --out_dir")
     (tmp_path / "a").write_bytes(b"weights")  # already one file (a kill between link and rename): no temporary left
     os.link(tmp_path / "a", tmp_path / "b")
     link_or_copy(tmp_path / "a", tmp_path / "b")
@@ -181,7 +181,7 @@ def test_a_file_size_limit_and_a_full_disk_are_named_as_they_are(tmp_path):
     resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, hard))  # torch's zip writer: "unexpected pos" only
     try:
         assert disk_full(RuntimeError("unexpected pos 64 vs 32"), tmp_path, need=2**21) == (
-            "File too large: a checkpoint takes about 2.1 MB, the file-size limit is 1.0")
+            "File too large: a checkpoint takes about 2.1 MB, the file-size limit is 1.0 MB")
         import checkpoint
         import torch
         with pytest.raises(OSError) as written:  # (its errno is EFBIG's: it said ENOSPC's)

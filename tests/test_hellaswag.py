@@ -108,7 +108,8 @@ def test_acc_and_each_chosen_ending_match_a_transformers_reference(hf_folder, hs
     examples = hellaswag.load(str(hs_file), block_size=64)
     assert len({len(row) for ex in examples for row in ex.rows}) > 5  # endings of many lengths
     forwards, real = [], hellaswag.score  # batch_size sequences a forward, not examples (4 x the memory planned)
-    monkeypatch.setattr(hellaswag, "score", lambda model, batch, *a: forwards.append(len(batch)) or real(model, batch, *a))
+    monkeypatch.setattr(hellaswag, "score",
+                        lambda model, batch, *a: forwards.append(len(batch)) or real(model, batch, *a))
     score, picks = hellaswag.evaluate(pretrained.load_gpt(str(hf_folder)), examples, World(), torch.autocast("cpu", enabled=False), batch_size=20)
     assert [picks[i] for i in range(len(examples))] == [(s, m) for s, m, _ in expected]
     assert score.correct == sum(s == label for s, _, label in expected)

@@ -162,7 +162,7 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     progress, deadline = tmp_path / "owt-9" / ".progress.json", time.monotonic() + 60
     while not (progress.exists() and len(json.loads(progress.read_text() or "{}").get("streams", {})
-                                         .get("train", {}).get("shards", [])) >= 60):  # (past part0: its 502nd is val's)
+                                         .get("train", {}).get("shards", [])) >= 60):  # (past part0, val's 502nd)
         assert proc.poll() is None and time.monotonic() < deadline, "the prepare finished before it could be killed"
         time.sleep(0.01)
     proc.kill()
@@ -473,8 +473,9 @@ MISCOUNTED = {"format": 1, "vocab_size": 50257, "dtype": "uint16", "tokenizer": 
                                         (".progress.json", ""),
                                         (".progress.json", '{"settings": {}, "counts": ["9"], "streams": {}}'),
                                         (".progress.json", '{"settings": {}, "counts": [], "streams": {"s": {'
-                                                           '"shards": [{"split": "Val", "file": "x.bin", "tokens": 1,'
-                                                           ' "sha256": "0"}], "resume": [0, 0]}}}'),  # and nested past the parser:
+                                                           '"shards": [{"split": "Val", "file": "x.bin", '
+                                                           '"tokens": 1, "sha256": "0"}], "resume": [0, 0]}}}'),
+                                        # and nested past what the parser takes:
                                         pytest.param("meta.json", "[" * 100_000, id="meta.json-nested"),
                                         pytest.param(".progress.json", "[" * 100_000, id="progress-nested"),
                                         pytest.param("meta.json", json.dumps(MISCOUNTED), id="meta.json-miscounted")])
