@@ -120,6 +120,19 @@ def test_openwebtext_prepare_splits_documents_by_nanogpts_rule(corpus, tmp_path)
     assert meta["prepared_with"]["split_seed"] == 2357 and meta["prepared_with"]["val_fraction"] == 0.0005  # (rerun)
 
 
+def wait_for_shards(proc, out: Path, stream: str, count: int):
+    """Until out/.progress.json lists `count` of `stream`'s shards, the prepare still running."""
+    def listed():
+        try:  # (written by rename; removed when the prepare finishes)
+            return len(json.loads((out / ".progress.json").read_text())["streams"][stream]["shards"])
+        except (FileNotFoundError, KeyError):
+            return 0
+    deadline = time.monotonic() + 60
+    while listed() < count:
+        assert proc.poll() is None and time.monotonic() < deadline, "the prepare finished before it could be killed"
+        time.sleep(0.01)
+
+
 @pytest.mark.slow
 def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shards(corpus, tmp_path):
     folder = Path(shutil.copytree(corpus[0], tmp_path / "corpus"))  # (changed below)
@@ -132,13 +145,7 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
         proc = subprocess.Popen([sys.executable, "data/fineweb/prepare.py", *args, f"--workers={workers}",
                                  f"--out_dir={out}"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True)
-        progress = out / ".progress.json"
-        deadline = time.monotonic() + 60
-        while not (progress.exists() and len(json.loads(progress.read_text() or "{}").get("streams", {})
-                                              .get("stream", {}).get("shards", [])) >= 5):
-            assert proc.poll() is None, "the prepare finished before it could be killed"
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for_shards(proc, out, "stream", 5)
         if whom == "worker":  # a tokenizing process (the out-of-memory killer's choice): once a hang
             os.kill(children(proc.pid, "spawn_main")[0], sig)
         else:
@@ -160,11 +167,7 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
     assert prepare("openwebtext", *args, f"--out_dir={tmp_path / 'owt'}").returncode == 0
     proc = subprocess.Popen([sys.executable, "data/openwebtext/prepare.py", *args, f"--out_dir={tmp_path / 'owt-9'}"],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    progress, deadline = tmp_path / "owt-9" / ".progress.json", time.monotonic() + 60
-    while not (progress.exists() and len(json.loads(progress.read_text() or "{}").get("streams", {})
-                                         .get("train", {}).get("shards", [])) >= 60):  # (past part0, val's 502nd)
-        assert proc.poll() is None and time.monotonic() < deadline, "the prepare finished before it could be killed"
-        time.sleep(0.01)
+    wait_for_shards(proc, tmp_path / "owt-9", "train", 60)  # (past part0, whose 502nd document is val's)
     proc.kill()
     proc.wait()
     assert prepare("openwebtext", *args, f"--out_dir={tmp_path / 'owt-9'}").returncode == 0
