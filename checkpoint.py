@@ -61,10 +61,9 @@ def write(state: dict, path: Path, before_rename=None):
 @contextmanager
 def locked_out_dir(out_dir, world, data_dir=None):
     """Rank 0's fcntl lock on out_dir/run.lock for the whole run (the OS drops it however the process
-    ends; the file names its holder), taken before the group forms, with a check that out_dir is
-    writable now, that no folder, pipe or device holds a name the run writes a file at (WRITTEN), and that it is no
-    dataset's folder, nor data_dir.
-    Yields the problem found (or None): train.py raises it on every rank."""
+    ends; the file names its holder), taken before the group forms, with a check that out_dir is writable now,
+    that no folder, pipe or device holds a name the run writes a file at (WRITTEN), and that it is no dataset's
+    folder, nor data_dir. Yields the problem found (or None): train.py raises it on every rank."""
     fd, error, out_dir = None, None, Path(out_dir)
     created = world.is_master and not out_dir.exists()
     if world.is_master:
@@ -301,11 +300,12 @@ def lineage(out_dir: Path, last: Path, resumed_from, saved: tuple, resume: str) 
     this run wrote it)). Resumed from another of out_dir's checkpoints, nothing saved since, a damaged last
     (or older than the other format's) must not become previous; a readable one a rollback replaces does.
     fresh: the first save of a run that did not continue one of out_dir's (started afresh, or elsewhere)."""
-    resumed, real = Path(resumed_from or last), os.path.realpath  # (Path.resolve raises on a link loop)
-    elsewhere, wrote = real(resumed.parent) != real(out_dir), bool(saved and saved[2])
-    rotate = wrote or elsewhere or bool(resumed_from) and real(resumed) == real(last) or (  # (started afresh: an
-        resume != "auto" or resumed_from is None) and newest_step([last]) >= 0  # earlier run's last, if it reads)
-    return rotate, saved is None or not wrote and elsewhere
+    if resumed_from is None:  # started afresh: an earlier run's last becomes previous if it reads
+        return saved is not None or newest_step([last]) >= 0, saved is None
+    resumed, real = Path(resumed_from), os.path.realpath  # (Path.resolve raises on a link loop)
+    elsewhere = real(resumed.parent) != real(out_dir)
+    rotate = real(resumed) == real(last) or elsewhere or saved[2] or resume != "auto" and newest_step([last]) >= 0
+    return rotate, not saved[2] and elsewhere
 
 
 def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
