@@ -136,6 +136,13 @@ def start(cmd, **env) -> subprocess.Popen:
                             stderr=subprocess.STDOUT)
 
 
+def flip_a_bit(path: Path, weight: str = "transformer.wte.weight"):
+    """One bit flipped in the middle of a weight's bytes in a .pt: torch.load reads it silently, its CRC-32 not."""
+    data, tensor = bytearray(path.read_bytes()), torch.load(path, weights_only=True)["model"][weight].numpy().tobytes()
+    data[data.find(tensor) + len(tensor) // 2] ^= 1
+    path.write_bytes(data)
+
+
 @contextlib.contextmanager
 def started(cmd, **env):
     """start(cmd), killed at the end if it still runs: a failed assertion leaves no run training through the suite."""

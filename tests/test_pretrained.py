@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import SEPARATOR, python, run_world, tiny_args
+from harness import SEPARATOR, flip_a_bit, python, run_world, tiny_args
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -290,15 +290,8 @@ def test_a_resume_needs_a_folder_named_without_a_slash_no_more(tmp_path, bpe_dat
     assert checkpoint.read(tmp_path / "out" / "last.pt", tensors=False)["config"]["init_from"] == "tiny-gpt2"
     again = tiny_finetune(bpe_data, tmp_path / "out", "tiny-gpt2", max_iters=4, eval_interval=1, resume="auto")
     assert "resuming from" in train(again).stdout and checkpoint.read(tmp_path / "out" / "last.pt")["step"] == 4
-    import zipfile
-    for name in ("last.pt", "previous.pt"):  # a weight's byte flipped (the rest reads): init_from=resume cannot
-        path = tmp_path / "out" / name     # start afresh, so the line says --init_from=scratch with --resume=never
-        record = next(i for i in zipfile.ZipFile(path).infolist() if "/data/" in i.filename and i.file_size > 1000)
-        with open(path, "r+b") as f:
-            f.seek(record.header_offset + 30 + len(record.filename) + len(record.extra) + 100)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 255]))
+    for name in ("last.pt", "previous.pt"):  # a weight's bit flipped (the rest reads): init_from=resume cannot
+        flip_a_bit(tmp_path / "out" / name)  # start afresh, so the line says --init_from=scratch with --resume=never
     ran = script("train.py", *tiny_finetune(bpe_data, tmp_path / "out", "resume", resume="auto"))
     assert ran.returncode == 2 and "fails its CRC-32 check" in ran.stderr and ran.stderr.endswith(
         "or --resume=never --init_from=scratch\n"), ran.stderr
