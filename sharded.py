@@ -4,6 +4,7 @@ writes its own shards (storage every rank sees), plus run.json, the plain values
 unpickler that builds only DCP's metadata classes, so a crafted file cannot run code.
 """
 
+import errno
 import hashlib
 import io
 import json
@@ -15,6 +16,7 @@ import socket
 import threading
 import warnings
 import zipfile
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -77,8 +79,7 @@ def _reader(path: Path):
 
 
 def _reason(e: BaseException, out_dir: Path = None, need: int = 0) -> str:
-    """One line for a failed DCP save (in out_dir, `need` bytes in all) or load: the lowest
-    failing rank's own exception."""
+    """One line for a failed DCP save (in out_dir, `need` bytes in all) or load: the lowest failing rank's own."""
     failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, trace)}
     rank, exc = min(failures.items(), key=lambda item: item[0]) if failures else (None, (e, None))
     text = (out_dir and disk_full(exc[0], out_dir, need)) or load_failure(exc[0])
@@ -86,9 +87,8 @@ def _reason(e: BaseException, out_dir: Path = None, need: int = 0) -> str:
 
 
 def parts(path: Path):
-    """(run.json's values, DCP metadata) of a complete sharded checkpoint; else UnreadableCheckpoint
-    naming what is missing. Complete: run.json, .metadata, and every file the metadata points
-    into, at least as long as the data it expects there."""
+    """(run.json's values, DCP metadata) of a complete sharded checkpoint (run.json, .metadata, and every file the
+    metadata points into, at least as long as the data it expects there); else UnreadableCheckpoint naming why."""
     def unreadable(reason):
         return UnreadableCheckpoint(f"cannot read checkpoint {path}: {reason}")
     if not path.is_dir():  # a file or a pipe where the folder goes
@@ -113,10 +113,9 @@ def parts(path: Path):
     except Exception as e:
         raise unreadable(f"its metadata is damaged ({type(e).__name__}: {first_line(e)})") from None
     for name, end in sorted(ends.items()):
-        try:
+        size = None
+        with suppress(OSError):  # (gone since: a run's save replaced the folder)
             size = (path / name).stat().st_size if (path / name).is_file() else None
-        except OSError:  # (gone since: a run's save replaced the folder)
-            size = None
         if size is None:
             raise unreadable(f"{name} (one rank's part) is missing")
         if size < end:
@@ -160,11 +159,9 @@ def read(path: Path, tensors: bool) -> dict:
 
 def _identity(path: Path):
     """Which folder `path` names now (its device and inode), or None."""
-    try:
+    with suppress(OSError):
         found = os.stat(path)
-    except OSError:
-        return None
-    return found.st_dev, found.st_ino
+        return found.st_dev, found.st_ino
 
 
 def _read(path: Path, tensors: bool) -> dict:
@@ -200,9 +197,19 @@ def _replace_dir(src: Path, dst: Path):
     trash = dst.with_name(f".{dst.name}.old.tmp")
     remove(trash)
     if os.path.lexists(dst):  # whatever it is: a damaged folder, a file, a pipe, a link to nothing
-        os.replace(dst, trash)
-    os.replace(src, dst)
+        _rename(dst, trash)
+    _rename(src, dst)
     remove(trash)
+
+
+def _rename(src: Path, dst: Path):
+    try:
+        os.replace(src, dst)
+    except OSError as e:  # overlayfs renames no folder of a lower layer (a container image's): moved by a copy
+        if e.errno != errno.EXDEV:
+            raise
+        shutil.copytree(src, dst, symlinks=True, copy_function=lambda s, d: link_or_copy(Path(s), Path(d)))
+        remove(src)
 
 
 def _commit(out_dir: Path, best: bool, rotate: bool):
@@ -210,15 +217,21 @@ def _commit(out_dir: Path, best: bool, rotate: bool):
     (unless not rotate) and the new folder last.dcp. A kill at any moment leaves a complete last.dcp or
     previous.dcp (resume=auto takes the newest complete one); best.dcp is hard links to last.dcp's files,
     made first: killed before last.dcp is committed, the resume redoes the step and best is not lost."""
-    last = out_dir / "last.dcp"
-    if best:
-        tmp = out_dir / ".best.dcp.tmp"
+    last, tmp = out_dir / "last.dcp", out_dir / ".best.dcp.tmp"
+    try:
+        if best:
+            remove(tmp)
+            tmp.mkdir()
+            for part in (out_dir / TMP).iterdir():  # (copytree: a full disk would be shutil.Error's list)
+                link_or_copy(part, tmp / part.name)
+            _replace_dir(tmp, out_dir / "best.dcp")
+        if last.exists() and rotate:
+            _replace_dir(last, out_dir / "previous.dcp")
+        _replace_dir(out_dir / TMP, last)  # (a damaged last.dcp, not rotated, is deleted)
+    except OSError:  # the parts written go now, not at the next start (a full disk stays full)
         remove(tmp)
-        shutil.copytree(out_dir / TMP, tmp, copy_function=lambda s, d: link_or_copy(Path(s), Path(d)))
-        _replace_dir(tmp, out_dir / "best.dcp")
-    if last.exists() and rotate:
-        _replace_dir(last, out_dir / "previous.dcp")
-    _replace_dir(out_dir / TMP, last)  # (a damaged last.dcp, not rotated, is deleted)
+        remove(out_dir / TMP)
+        raise
     fsync_dir(out_dir)
 
 
@@ -251,12 +264,11 @@ class Background:
 
 def save_run(raw_model, optimizer, run_state: dict, out_dir: Path, best: bool, world, background=False,
              rotate=True):
-    """Every rank writes its shards of the model and optimizer (rank 0 also run.json: run_state and the
-    optimizer's param_groups) into out_dir/.last.dcp.tmp; then rank 0 commits it (_commit). background
-    (async_checkpoint): DCP copies the tensors now and writes them from a thread over world.save_group
-    (a gloo group of its own, made at the first such save); returns a Background, which commits when
-    the write completes. Raises OSError on every rank when any rank's write failed (a failed commit:
-    on rank 0; the caller agrees)."""
+    """Every rank writes its shards of the model and optimizer (rank 0 also run.json: run_state and the optimizer's
+    param_groups) into out_dir/.last.dcp.tmp; then rank 0 commits it (_commit). background (async_checkpoint): DCP
+    copies the tensors now and writes them from a thread over world.save_group (a gloo group of its own, made at
+    the first such save); returns a Background, which commits when the write completes. Raises OSError on every
+    rank when any rank's write failed (a failed commit: on rank 0; the caller agrees)."""
     import torch.distributed.checkpoint as dcp  # imported when first used: it takes 0.7 s
     tensors, param_groups = parallel.sharded_state(raw_model, optimizer)
     run_state = dict(run_state, param_groups=param_groups)
@@ -280,21 +292,26 @@ def save_run(raw_model, optimizer, run_state: dict, out_dir: Path, best: bool, w
                           run_state["step"], tensor_bytes(tensors))
     try:
         dcp.save(tensors, storage_writer=writer, process_group=world.group, no_dist=alone)
-    except dcp.api.CheckpointException as e:
+        if world.is_master:
+            _commit(out_dir, best, rotate)
+    except (dcp.api.CheckpointException, OSError) as e:
+        reason = _reason(e, out_dir, tensor_bytes(tensors))  # (before the part written goes: it holds the space)
         if world.is_master:  # (every rank's write has ended: DCP gathered their results)
             remove(tmp)
-        raise OSError(_reason(e, out_dir, tensor_bytes(tensors))) from None
-    if world.is_master:
-        _commit(out_dir, best, rotate)
+        raise OSError(reason) from None
 
 
 def check_shared(folder: Path, world, what: str):
-    """Stop every rank, with one message, unless each sees rank 0's `folder`: the sharded format
-    needs storage every rank sees. Checked by content, not by name (another host may hold an old
-    copy at the same path): a checkpoint folder's run.json, else a fresh probe file."""
+    """Stop every rank, with one message, unless each sees rank 0's `folder` (the sharded format needs storage every
+    rank sees), by content, not name (a host's old copy at the same path): a checkpoint folder's run.json and its
+    files' sizes (a part missing, or cut short, in a host's copy), else a fresh probe file."""
     if world.size == 1:
         return
-    probe, error, digest = None, None, lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
+    probe, error = None, None
+
+    def digest(p):
+        sizes = [[q.name, q.stat().st_size] for q in sorted(p.parent.iterdir())] if p.name == "run.json" else []
+        return [hashlib.sha256(p.read_bytes()).hexdigest(), sizes]
     try:
         if world.is_master:
             probe = folder / "run.json" if (folder / "run.json").is_file() else folder / f".shared.{os.getpid()}.tmp"

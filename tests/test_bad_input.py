@@ -1,5 +1,6 @@
 """Broken files and runaway numbers: one clear message, and no good file overwritten."""
 
+import errno
 import json
 import math
 import os
@@ -7,6 +8,7 @@ import re
 import shutil
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -422,6 +424,25 @@ def test_a_kill_while_best_is_written_leaves_last_one_save_behind(trained_copy, 
     with pytest.raises(Killed):
         sharded._commit(out, best=True, rotate=True)
     assert json.loads((out / "last.dcp" / "run.json").read_text()) == {"step": 10}
+    monkeypatch.setattr(sharded, "link_or_copy", raising(OSError(28, "No space left on device")))  # (no hard links)
+    with pytest.raises(OSError) as failed:  # (copytree's shutil.Error: a list of them, in the run's line)
+        sharded._commit(out, best=True, rotate=True)
+    assert type(failed.value) is OSError and failed.value.errno == 28
+    assert json.loads((out / "last.dcp" / "run.json").read_text()) == {"step": 10}
+    assert not list(out.glob(".*.tmp"))  # the parts written went at once: not at the next start (the disk stays full)
+    (out / sharded.TMP).mkdir()
+    (out / sharded.TMP / "run.json").write_text(json.dumps({"step": 12}))
+    replace = os.replace
+
+    def overlayfs(src, dst):  # a folder of its lower layer (a container image's): never renamed (each save failed)
+        if Path(src).name == "last.dcp":
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        replace(src, dst)
+    monkeypatch.setattr(os, "replace", overlayfs)
+    monkeypatch.setattr(sharded, "link_or_copy", link_or_copy)
+    sharded._commit(out, best=False, rotate=True)
+    assert [json.loads((out / f"{name}.dcp" / "run.json").read_text()) for name in ("last", "previous")] == [
+        {"step": 12}, {"step": 10}] and not list(out.glob(".*.tmp"))
 
 
 @pytest.mark.slow  # mount and umount are processes

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -298,6 +299,15 @@ def test_a_checkpoint_folder_of_the_same_name_but_other_content_is_not_rank_0s(t
     # (it said to use --checkpoint_format=file, which cannot read a .dcp either)
     assert errors[0].endswith(f"python scripts/convert_checkpoint.py {folders[0]} {folders[0].parent}/converted.pt, "
                               f"then pass --resume= that file"), errors[0]
+    # a copy of rank 0's (run.json the same) that lacks a part, or holds one cut short: rank 1 failed to read it,
+    shutil.copy(folders[0] / "run.json", folders[1] / "run.json")  # and the resume fell back to previous.dcp (rank
+    for folder in folders:  # 0's good last.dcp called unreadable)
+        (folder / "__0_0.distcp").write_bytes(b"part")
+    (folders[0] / "__1_0.distcp").write_bytes(b"part")
+    for damage in (lambda: None, lambda: (folders[1] / "__1_0.distcp").write_bytes(b"pa")):
+        damage()
+        said = ranks_say(_check_own_folder, 2, tmp_path, [str(f) for f in folders], in_group=True)
+        assert said[0] == said[1] and f"does not see rank 0's {folders[0]} (to resume from it" in said[0], said
 
 
 def _load_as_rank_1_leaves(rank, world, path, out):
