@@ -201,11 +201,11 @@ def load_sharded_state(raw_model, optimizer, tensors: dict, param_groups: list):
 def memory_problem(model_cfg, cfg, world: World):
     """A message when training this model clearly cannot fit this process's memory, else None.
     A lower bound, so only the impossible is refused: weights, gradients and AdamW moments
-    (16 bytes a parameter, sharded under FSDP) plus the float32 logits of one micro-batch; and the
-    loader's order of windows in host memory (at least a global batch of them)."""
-    n = model_cfg.n_params
+    (16 bytes a parameter, sharded under FSDP) plus one micro-batch's float32 logits and the input of each block,
+    kept for backward (also under activation checkpointing); and the loader's order of windows in host memory."""
+    n, c = model_cfg.n_params, model_cfg
     state = 16 * n // (world.shard_size if world.strategy == "fsdp" else 1)
-    logits = 4 * cfg.batch_size * cfg.block_size * model_cfg.padded_vocab_size
+    logits = 4 * cfg.batch_size * cfg.block_size * (c.padded_vocab_size + c.n_layer * c.n_embd)  # (and block inputs)
     available = available_memory(world.device, world.local_size)
     if state + logits > available:  # (fsdp_shard_size below the world: more processes shrink no shard)
         # (a host's processes share its memory: fewer of them help where each holds the whole model)
@@ -215,8 +215,8 @@ def memory_problem(model_cfg, cfg, world: World):
             " with --strategy=fsdp" * (world.strategy != "fsdp")
         smaller = "block_size" if cfg.batch_size == 1 else "batch_size"  # (sharding leaves the logits whole)
         return (f"this model needs at least {(state + logits) / 1e9:,.1f} GB per process ({n / 1e6:,.0f}M "
-                f"parameters: {state / 1e9:,.1f} GB of weights, gradients and AdamW moments, "
-                f"{logits / 1e9:,.1f} GB of logits for batch_size={cfg.batch_size}), but {world.device} has "
+                f"parameters: {state / 1e9:,.1f} GB of weights, gradients and AdamW moments, {logits / 1e9:,.1f} GB "
+                f"of logits and activations for batch_size={cfg.batch_size}), but {world.device} has "
                 f"{available / 1e9:,.1f} GB available: choose a smaller " + (f"{smaller}" + " and model" * (
                     state >= available) if logits >= available else f"model or batch_size, or {more}"))
     table, host = 16 * cfg.global_batch_size, available_memory(torch.device("cpu"), world.local_size)

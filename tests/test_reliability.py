@@ -236,13 +236,15 @@ def test_an_impossible_model_is_refused_before_anything_is_allocated(char_data, 
 
 def test_the_memory_bound_counts_one_micro_batchs_logits_and_only_this_ranks_shard(monkeypatch):
     """16 bytes a parameter (weights, gradients, AdamW's moments), divided among FSDP's shards, plus the
-    float32 logits of one micro-batch: a model that needs a byte more than the memory left is refused."""
+    float32 logits and each block's float32 input (kept for backward) of one micro-batch: a model that needs a
+    byte more than the memory left is refused. (A batch_size of 10**7 of a 23-character vocabulary passed, and the
+    kernel killed the run without a word.)"""
     from types import SimpleNamespace
     import parallel
     from world import World
     model, cfg = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64), SimpleNamespace(
         batch_size=8, block_size=64, global_batch_size=8)
-    state, logits = 16 * model.n_params, 4 * 8 * 64 * model.padded_vocab_size
+    state, logits = 16 * model.n_params, 4 * 8 * 64 * (model.padded_vocab_size + 2 * 64)
     fsdp = lambda shard_size: World(size=4, strategy="fsdp", shard_size=shard_size)  # noqa: E731
     # (on the CPU a host's processes share its memory: "more processes" on one host could never pass)
     ddp, hsdp, more = "more hosts with --strategy=fsdp", "--fsdp_shard_size=0, which shards over", "more hosts"
@@ -257,8 +259,14 @@ def test_the_memory_bound_counts_one_micro_batchs_logits_and_only_this_ranks_sha
         monkeypatch.setattr(parallel, "available_memory", lambda device, local_size, free=free: free)
         problem = parallel.memory_problem(model, cfg, world)
         assert (problem is not None) == bool(refused), (free, world)
-        assert not refused or "GB of logits for batch_size=8" in problem and problem.endswith(
+        assert not refused or "GB of logits and activations for batch_size=8" in problem and problem.endswith(
             f"choose a smaller model or batch_size, or {refused}" + " every rank" * (refused == hsdp)), problem
+    for checkpointing in (False, True):  # a lower bound: one micro-batch's forward and backward take more than that
+        gpt, x = GPT(model), torch.zeros(8, 64, dtype=torch.long)
+        parallel.set_activation_checkpointing(gpt, checkpointing)
+        with PeakBytes([*gpt.parameters(), x]) as measured:
+            gpt(x, x)[1].backward()
+        assert measured.peak >= logits + 4 * model.n_params, (checkpointing, measured.peak)  # (+ the gradients)
     cfg.batch_size = 100 * cfg.batch_size  # the logits alone past the memory: sharding the model cannot help
     monkeypatch.setattr(parallel, "available_memory", lambda device, local_size: 100 * logits)
     assert parallel.memory_problem(model, cfg, fsdp(4)).endswith("available: choose a smaller batch_size")
