@@ -25,7 +25,7 @@ import sharded
 from collectives import agree_or_raise, on_rank0
 from data.dataset import has_shards
 from data.files import (atomic_write, disk_full, link_or_copy, lock_note, read_json, remove_stale_temporaries,
-                        tensor_bytes)
+                        same_path, tensor_bytes)
 from errors import ConfigError, OutDirBusy, OutDirUnwritable, UnreadableCheckpoint, load_failure
 from model import GPT, GPTConfig
 
@@ -64,14 +64,14 @@ def locked_out_dir(out_dir, world, data_dir=None):
     ends; the file names its holder), taken before the group forms, with a check that out_dir is writable now,
     that no folder, pipe or device holds a name the run writes a file at (WRITTEN), and that it is no dataset's
     folder, nor data_dir. Yields the problem found (or None): train.py raises it on every rank."""
-    fd, error, out_dir = None, None, Path(out_dir)
+    fd, error, out_dir, gone = None, None, Path(out_dir), False
     created = world.is_master and not out_dir.exists()
     if world.is_master:
         try:
             real = Path(os.path.realpath(out_dir))  # (a checkpoint itself too: its files went at the next save)
             inside = next((p for p in (real, *real.parents) if p.suffix == ".dcp"), None)
             model = any((out_dir / name).is_file() for name in ("model.safetensors", "pytorch_model.bin"))  # (HF's)
-            data = data_dir and real == Path(os.path.realpath(data_dir)) or (out_dir / "train.bin").exists() or \
+            data = data_dir and same_path(out_dir, data_dir) or (out_dir / "train.bin").exists() or \
                 has_shards(out_dir)  # (data_dir: the run may prepare it there, then write its meta.json over it)
             if inside or model or data:  # its files would go, or be replaced
                 what = f"inside the checkpoint {inside}, which a save replaces" if inside else \
@@ -105,14 +105,16 @@ def locked_out_dir(out_dir, world, data_dir=None):
         yield error
     except BaseException:  # a run that failed before writing anything leaves no folder behind (if still its own)
         lock = out_dir / "run.lock"
-        if created and fd is not None and lock.exists() and os.path.samestat(os.fstat(fd), lock.stat()) \
+        if gone := created and fd is not None and lock.exists() and os.path.samestat(os.fstat(fd), lock.stat()) \
                 and [p.name for p in out_dir.iterdir()] == ["run.lock"]:
             lock.unlink()
-            out_dir.rmdir()
         raise
     finally:
         if fd is not None:
             os.close(fd)  # drops the lock; the file stays (unlinking it would race a new run)
+        if gone:  # once closed: FUSE and NFS keep an unlinked open file (.fuse_hidden*, .nfs*) in the folder
+            with suppress(OSError):
+                out_dir.rmdir()
 
 
 def newest(paths: list) -> list:
@@ -214,8 +216,7 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
 
 
 def saved_vocabulary(meta_path: Path):
-    """For a checkpoint written before checkpoints kept their vocabulary: that of the meta.json the run wrote
-    beside it (which a later run into the same out_dir rewrites), or None."""
+    """An older checkpoint's vocabulary (none inside it): that of the meta.json beside it (a later run's?), or None."""
     try:
         saved = read_json(meta_path)
     except (OSError, ValueError):  # none there (copied elsewhere): vocab_size is all there is
@@ -301,10 +302,10 @@ def lineage(out_dir: Path, last: Path, resumed_from, saved: tuple, resume: str) 
     (or older than the other format's) must not become previous; a readable one a rollback replaces does.
     fresh: the first save of a run that did not continue one of out_dir's (started afresh, or elsewhere)."""
     if resumed_from is None:  # started afresh: an earlier run's last becomes previous if it reads
-        return saved is not None or newest_step([last]) >= 0, saved is None
-    resumed, real = Path(resumed_from), os.path.realpath  # (Path.resolve raises on a link loop)
-    elsewhere = real(resumed.parent) != real(out_dir)
-    rotate = real(resumed) == real(last) or elsewhere or saved[2] or resume != "auto" and newest_step([last]) >= 0
+        return saved is not None or resume_step([last]) >= 0, saved is None
+    resumed = Path(resumed_from)
+    elsewhere = not same_path(resumed.parent, out_dir)
+    rotate = same_path(resumed, last) or elsewhere or saved[2] or resume != "auto" and resume_step([last]) >= 0
     return rotate, not saved[2] and elsewhere
 
 
@@ -318,7 +319,7 @@ def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
         return ckpt
     paths = on_rank0(lambda: [str(p) for p in find(cfg)], world)
     if cfg.resume == "auto" and world.size > 1:  # an out_dir each host keeps: does rank 0's hold the newest?
-        agree_or_raise(newer_than_rank0(cfg, world, on_rank0(lambda: newest_step(paths), world)), world)
+        agree_or_raise(newer_than_rank0(cfg, world, on_rank0(lambda: resume_step(paths), world)), world)
     try:
         return read_first(paths, use, world.is_master)
     except UnreadableCheckpoint as e:  # none there reads: what to do (init_from=resume cannot start afresh)
@@ -327,23 +328,22 @@ def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
                                    f"or --resume=never{' --init_from=scratch' * (cfg.init_from == 'resume')}") from None
 
 
-def newest_step(paths: list) -> int:
-    """The step of the newest readable checkpoint among `paths`, or -1 (a damaged one: load() names it)."""
+def resume_step(paths: list) -> int:
+    """The step a resume takes: the first of `paths` that reads (a rollback's previous has a later one), or -1."""
     def step(path):
         try:
             ckpt = read(Path(path), tensors=False)
         except ConfigError:  # (UnreadableCheckpoint among them)
             return -1
         return ckpt["step"] if isinstance(ckpt, dict) and type(ckpt.get("step")) is int else -1
-    return max(map(step, paths), default=-1)
+    return next((s for s in map(step, paths) if s >= 0), -1)
 
 
 def newer_than_rank0(cfg: Config, world, rank0_step: int):
     """Why this host's own out_dir holds a newer checkpoint than rank 0's, or None. (A c10d rendezvous
     may make another host's process rank 0 on a relaunch: the run started again from step 0.)"""
-    out = Path(cfg.out_dir)
-    own = [] if world.is_master or world.local_rank else newest([out / "last.pt", out / "last.dcp"])
-    mine = newest_step(own)
+    own = [] if world.is_master or world.local_rank else newest([Path(cfg.out_dir, f"last.{s}") for s in ("pt", "dcp")])
+    mine = resume_step(own)
     return None if mine <= rank0_step else (
         f"{own[0]} on {socket.gethostname()} (rank {world.rank}) is of step {mine}, but rank 0's out_dir holds "
         f"{f'step {rank0_step}' if rank0_step >= 0 else 'none'}: relaunch with that host's processes as ranks 0.. "

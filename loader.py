@@ -193,7 +193,7 @@ class Dataset:
     def __init__(self, cfg: Config):
         self.cfg, self.dir = cfg, dataset_dir(cfg)
         if not has_tokens(self.dir) and self.dir.is_dir():  # a run preparing it now: what it holds once that is done
-            preparing(self.dir).close()
+            preparing(self.dir, clean=False).close()
         self.meta = read_dataset(cfg) if has_tokens(self.dir) else None
         if self.meta is not None:
             return
@@ -205,8 +205,8 @@ class Dataset:
             raise ConfigError(f"{self.dir} holds {' and '.join(loose)} but no meta.json: train.py will not prepare "
                               f"over them; nanoGPT's {how}, else delete them (a preparation killed as it ended "
                               f"leaves them too) or choose another --data_dir")
-        script = REPO / "data" / cfg.dataset / "prepare.py"
-        if not (cfg.dataset.isidentifier() and script.exists()):  # a folder's name: it is imported
+        script = REPO / "data" / cfg.dataset / "prepare.py"  # imported: a folder's name, in its letter case
+        if not (cfg.dataset.isidentifier() and cfg.dataset in os.listdir(REPO / "data") and script.exists()):
             raise ConfigError(f"no dataset in {self.dir} (meta.json missing), and dataset={cfg.dataset!r} names no "
                               f"data/NAME/prepare.py to prepare it: check --dataset and --data_dir")
         given = f" --input={shlex.quote(cfg.prepare_input)}" if cfg.prepare_input else ""  # (else: the download)

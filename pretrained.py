@@ -13,7 +13,6 @@ other hosts need no copy (eval.py loads on every rank).
 
 import difflib
 import functools
-import os
 import warnings
 from contextlib import suppress
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 
 import checkpoint
 from data.dataset import GPT2_META, GPT2_VOCAB_SIZE, load_meta
-from data.files import read_json
+from data.files import read_json, same_path
 from errors import ConfigError, UnreadableCheckpoint, first_line, load_failure
 from model import GPT, GPTConfig
 
@@ -231,7 +230,7 @@ def resumed_shape(cfg):
             saved = checkpoint.read(path, tensors=False)
             start = saved["config"]["init_from"]  # (a folder: by its path, however it is spelled)
             same = isinstance(start, str) and is_pretrained(start) and (cfg.init_from in (start, "resume") or (
-                cfg.init_from not in RELEASED and os.path.realpath(start) == os.path.realpath(cfg.init_from)))
+                cfg.init_from not in RELEASED and same_path(start, cfg.init_from)))
             return {k: saved["model_args"][k] for k in ("n_layer", "n_head", "n_embd")} if same else None
         except (ConfigError, LookupError, TypeError):  # unreadable or not one of ours: the next one
             continue

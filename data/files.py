@@ -133,6 +133,17 @@ def atomic_write_bytes(path, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
 
 
+def same_path(a, b) -> bool:
+    """Whether a and b name the same place: one path once links resolve (neither need exist), or one file or
+    folder reached two ways (a bind mount; another letter case where the disk ignores it: macOS's, Windows')."""
+    if os.path.realpath(a) == os.path.realpath(b):  # (Path.resolve raises on a link loop)
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one is not there
+        return False
+
+
 def link_or_copy(src: Path, dst: Path):
     """Point `dst` at `src`'s bytes: a hard link costs no second write; else copy."""
     if dst.exists() and os.path.samefile(src, dst):
@@ -189,13 +200,14 @@ def disk_full(e: BaseException, folder: Path, need: int):
 
 class preparing:
     """An exclusive lock on `folder` itself (no lock file among the data), taken before the
-    temporaries a killed preparation left there are removed: one preparation writes into a folder
-    at a time (another, on this host or one sharing the disk, waits for it). Held until the end of
+    temporaries a killed preparation left there are removed (if clean: not by a run that only waits for another's
+    preparation, in a folder that may be a mistyped one of the user's; export_hf's what: "the export"): one writes
+    into a folder at a time (another, on this host or one sharing the disk, waits for it). Held until the end of
     its with block, which names the folder in a full disk's error. Inside another of this process's (train.py's
     start-up, around a prepare script's), it takes nothing: a second flock would wait for the first."""
     fd, held = None, set()  # held: the folders this process holds
 
-    def __init__(self, folder: Path, what: str = "the dataset", rerun: str = "prepare"):  # (export_hf: "the export")
+    def __init__(self, folder: Path, what: str = "the dataset", rerun: str = "prepare", clean: bool = True):
         self.folder, self.key, self.what, self.rerun = folder, os.path.realpath(folder), what, rerun
         if self.key in preparing.held:  # (the outer one names a full disk)
             self.folder = None
@@ -210,7 +222,8 @@ class preparing:
             preparing.held.add(self.key)
             return
         preparing.held.add(self.key)
-        remove_stale_temporaries(folder)
+        if clean:
+            remove_stale_temporaries(folder)
 
     def __enter__(self):
         return self
@@ -235,12 +248,14 @@ class preparing:
 def remove_stale_temporaries(folder: Path) -> list:
     """Delete the temporaries a killed writer left (write_temp's and link_or_copy's .NAME.ID.tmp files,
     sharded.py's .last/.best.dcp.tmp and .NAME.old.tmp folders, check_shared's .shared.PID.tmp, export_hf's
-    .export.XXXXXXXX.tmp folders); they never replaced a real file. A user's .notes.tmp stays."""
+    .export.XXXXXXXX.tmp folders); they never replaced a real file. A user's .notes.tmp stays, and so does
+    what cannot be deleted (a read-only data_dir). Returns those deleted."""
     ours = re.compile(r"\..+\.([0-9a-f]{12}|\d+|old)\.tmp|\.(last|best)\.dcp\.tmp|\.export\.\w{8}\.tmp")
     stale = sorted(p for p in Path(folder).glob(".*.tmp") if ours.fullmatch(p.name))
     for path in stale:
-        remove(path)
-    return stale
+        with suppress(OSError):
+            remove(path)
+    return [path for path in stale if not os.path.lexists(path)]
 
 
 def lock_note() -> bytes:

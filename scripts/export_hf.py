@@ -29,7 +29,7 @@ from safetensors.torch import save  # noqa: E402
 import checkpoint  # noqa: E402
 import pretrained  # noqa: E402
 from data.dataset import GPT2_EOT, has_shards  # noqa: E402
-from data.files import atomic_write_bytes, fsync_dir, preparing, read_json  # noqa: E402
+from data.files import atomic_write_bytes, fsync_dir, preparing, read_json, same_path  # noqa: E402
 from data.tokenizers import write_gpt2_tokenizer_files  # noqa: E402
 from errors import ArgumentParser, ConfigError, first_line, reported, write_failure  # noqa: E402
 from model import GPT  # noqa: E402
@@ -98,12 +98,12 @@ def main(argv=None):
     if not args.to:  # (an unset shell variable): it would write into the current folder
         raise ConfigError("--to is empty: give the folder to write")
     pretrained.run_folder(out_dir)
-    mine = os.path.realpath(to) == os.path.realpath(out_dir)  # (Path.resolve raises on a link loop)
+    mine = same_path(to, out_dir)
     try:  # the Hugging Face folder the run started from: its weights would be replaced
         written = read_json(out_dir / "config.json")  # (as logger.py writes it)
         start, ran_in = written["config"]["init_from"], written["run"].get("cwd", "")  # (a relative path: from there)
         began = start not in pretrained.RELEASED and pretrained.is_pretrained(start) and \
-            os.path.realpath(to) == os.path.realpath(os.path.join(ran_in, start))
+            same_path(to, os.path.join(ran_in, start))
     except (OSError, ValueError, LookupError, TypeError, AttributeError):  # (no config.json: an older run, a copy)
         began = False
     run = any((to / name).exists() for name in checkpoint.WRITTEN if name != "config.json") or any(to.glob("*.dcp"))

@@ -430,16 +430,20 @@ def run_main(script: str, args, monkeypatch, capsys) -> Ran:
 
 
 @contextlib.contextmanager
-def small_disk(folder: Path, size: str):
-    """A real tmpfs of `size` at folder (root only)."""
+def mounted(folder: Path, *args: str):
+    """`mount ARGS folder` while the block runs (root only): a small disk, one folder at two paths (--bind)."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
+        pytest.skip("mounting needs root")
     folder.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                             capture_output=True, text=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    done = subprocess.run(["mount", *args, str(folder)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount here: {done.stderr.strip()}")
     try:
         yield folder
     finally:
         subprocess.run(["umount", str(folder)], check=True)
+
+
+def small_disk(folder: Path, size: str):
+    """A real tmpfs of `size` at folder (root only)."""
+    return mounted(folder, "-t", "tmpfs", "-o", f"size={size}", "tmpfs")

@@ -29,7 +29,7 @@ import pretrained
 import world
 import train
 from config import Config, resolve
-from harness import REPO, child_env, free_port, python, raising, ranks_say, tiny_args, train_py, without_log
+from harness import REPO, child_env, free_port, mounted, python, raising, ranks_say, tiny_args, train_py, without_log
 
 
 @pytest.fixture
@@ -88,6 +88,13 @@ def other_vocabulary(data):
     text = data.parent / "abc.txt"
     text.write_text("abc cab bac\n" * 2000)
     prepare(out_dir=str(data), input_path=str(text))
+
+
+def case_insensitive_disk(data, monkeypatch):
+    """No dataset, and a disk where data/Shakespeare_char/prepare.py exists (macOS's, Windows'): import refuses it."""
+    shutil.rmtree(data)
+    exists = Path.exists
+    monkeypatch.setattr(Path, "exists", lambda p, **kw: exists(Path(str(p).replace("Shakes", "shakes")), **kw))
 
 
 def nanogpt_files_in_repo_data(data, monkeypatch):
@@ -252,6 +259,8 @@ CASES = [
      r"no dataset in .*data \(meta\.json missing\), and dataset='nosuch' names no data/NAME/prepare\.py"),
     ("dataset given as a path", ["--dataset=shakespeare_char/"], lambda d, m: shutil.rmtree(d),
      r"dataset='shakespeare_char/' names no data/NAME/prepare\.py to prepare it"),
+    ("dataset in another letter case", ["--dataset=Shakespeare_char"], case_insensitive_disk,  # (a traceback)
+     r"dataset='Shakespeare_char' names no data/NAME/prepare\.py to prepare it"),
     ("nanoGPT's data folder", [], lambda d, m: (d / "meta.json").unlink(),
      r"data holds train\.bin and val\.bin but no meta\.json: train\.py will not prepare over them"),
     ("nanoGPT's files in data/DATASET", ["--data_dir="], nanogpt_files_in_repo_data,  # (a prepare overwrote them)
@@ -259,8 +268,8 @@ CASES = [
     ("nanoGPT's character-level folder", [], lambda d, m: (d / "meta.json").rename(d / "meta.pkl"),
      r"nanoGPT's character-level ones \(meta\.pkl\) train once their text is prepared again \(python data/shakesp"),
     ("data_dir a folder of other files", lambda d: [f"--data_dir={d.parent / 'home'}"],  # (data/shakespeare was one)
-     lambda d, m: [(d.parent / "home" / name).write_text("x") for name in ("prepare.py", "notes.md", "input.txt")
-                   if (d.parent / "home").mkdir(exist_ok=True) or True],
+     lambda d, m: [(d.parent / "home" / name).write_text("x") for name in ("prepare.py", "notes.md", "input.txt",
+                   ".draft.1.tmp") if (d.parent / "home").mkdir(exist_ok=True) or True],  # (the last was deleted)
      r"no dataset in .*home \(meta\.json missing\), and it holds other files \(notes\.md, prepare\.py\): train\.py "
      r"prepares shakespeare_char only into a new or empty folder: check --data_dir"),
     ("prepare_input that did not make the dataset", lambda d: [f"--prepare_input={d.parent / 'other.txt'}"],
@@ -657,20 +666,28 @@ def test_data_found_bad_after_preparing_on_one_host_stops_every_rank(char_data, 
 
 
 @pytest.mark.slow
-def test_a_relaunch_whose_rank_0_is_on_a_host_without_the_newest_checkpoint_stops(char_data, tmp_path):
+@pytest.mark.parametrize("rollback", [False, True])
+def test_a_relaunch_whose_rank_0_is_on_a_host_without_the_newest_checkpoint_stops(char_data, tmp_path, rollback):
     """Each host its own out_dir (the file format allows it), and a c10d rendezvous that made another host's
-    process rank 0 this time: the run started again from step 0, beside the other host's newer last.pt."""
+    process rank 0 this time: the run started again from step 0, beside the other host's newer last.pt. After a
+    rollback (--resume=PATH of an older one), rank 0's previous.pt is of a later step than the last.pt it resumes:
+    that step was compared, and host B's steps were lost."""
     import socket
     from harness import train_here
-    train_here(char_data, tmp_path / "host_b", max_iters=2, eval_interval=2)
-    args = tiny_args(char_data, tmp_path / "host_a", resume="auto", max_iters=4, eval_interval=2, dist_timeout=60)
-    (tmp_path / "host_a").mkdir()  # rank 0's: a last.pt that is no checkpoint of ours is no step (was a KeyError)
-    torch.save({"a": 1}, tmp_path / "host_a" / "last.pt")
+    b, a = tmp_path / "host_b", tmp_path / "host_a"
+    train_here(char_data, b, max_iters=2, eval_interval=1)  # last.pt of step 2, previous.pt of step 1
+    args = tiny_args(char_data, a, resume="auto", max_iters=4, eval_interval=2, dist_timeout=60)
+    a.mkdir()  # rank 0's: a last.pt that is no checkpoint of ours is no step (was a KeyError)
+    if rollback:
+        shutil.copy(b / "last.pt", a / "previous.pt")
+        shutil.copy(b / "previous.pt", a / "last.pt")
+    else:
+        torch.save({"a": 1}, a / "last.pt")
     said = ranks_say(_train_rank_recording_config_errors, 2, tmp_path, args, False,
-                     [f"--out_dir={tmp_path / 'host_b'}"], {"LOCAL_RANK": "0"})  # (rank 1: host B's first process)
-    assert said == [f"{tmp_path / 'host_b' / 'last.pt'} on {socket.gethostname()} (rank 1) is of step 2, but rank 0's "
-                    f"out_dir holds none: relaunch with that host's processes as ranks 0.. (torchrun's static "
-                    f"rendezvous, --node_rank=0 there), or copy its out_dir to rank 0's host"] * 2, said
+                     [f"--out_dir={b}"], {"LOCAL_RANK": "0"})  # (rank 1: host B's first process)
+    assert said == [f"{b / 'last.pt'} on {socket.gethostname()} (rank 1) is of step 2, but rank 0's out_dir holds "
+                    f"{'step 1' if rollback else 'none'}: relaunch with that host's processes as ranks 0.. (torchrun's "
+                    f"static rendezvous, --node_rank=0 there), or copy its out_dir to rank 0's host"] * 2, said
 
 
 def test_a_prepare_at_start_up_that_fails_is_one_line_naming_the_dataset(tmp_path, monkeypatch, capsys):
@@ -830,12 +847,42 @@ def test_an_out_dir_in_a_sharded_checkpoint_or_a_dataset_or_model_folder_is_refu
     assert {p: p.read_bytes() for folder in (data, model, older, shards) for p in folder.iterdir()} == before
 
 
-def test_a_new_out_dir_deleted_under_a_failing_run_leaves_its_own_error(tmp_path):
+@pytest.mark.slow  # mount and umount are processes
+def test_one_folder_reached_by_two_paths_is_one_folder(tmp_path):
+    """A bind mount (or another letter case, where the disk ignores it: macOS's) gives a folder a second path that
+    realpath tells apart: out_dir as data_dir was let through (the run's files went into the dataset), and a resume
+    from --resume=ALIAS/last.pt counted as one from elsewhere (fresh: its first save deleted out_dir's best.pt)."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "last.pt").write_bytes(b"the checkpoint resumed")
+    with mounted(tmp_path / "alias", "--bind", str(tmp_path / "real")) as alias:
+        with pytest.raises(errors.ConfigError, match=f"{alias} is a dataset folder, whose meta.json the run writes"):
+            with checkpoint.locked_out_dir(alias, world.World(), data_dir=tmp_path / "real"):
+                pass
+        resumed = str(alias / "last.pt")
+        assert checkpoint.lineage(tmp_path / "real", tmp_path / "real" / "last.pt", resumed, (resumed, 5, False),
+                                  resumed) == (True, False)  # (rotated, as from out_dir/last.pt; not fresh)
+    assert os.listdir(tmp_path / "real") == ["last.pt"]
+
+
+def test_a_new_out_dir_deleted_under_a_failing_run_leaves_its_own_error(tmp_path, monkeypatch):
     """The clean-up of a folder the run made listed it: a FileNotFoundError traceback after the run's error."""
     with pytest.raises(RuntimeError, match="the run's own failure"):
         with checkpoint.locked_out_dir(tmp_path / "out", world.World()):
             shutil.rmtree(tmp_path / "out")
             raise RuntimeError("the run's own failure")
+    rmdir = Path.rmdir
+
+    def fuse_rmdir(folder):  # FUSE, NFS: an unlinked file still open stays in its folder (.fuse_hidden*, .nfs*)
+        fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if os.path.exists(
+            f"/proc/self/fd/{fd}")]
+        if any(fd.startswith(f"{folder}/") for fd in fds):
+            raise OSError(39, "Directory not empty", str(folder))
+        rmdir(folder)
+    monkeypatch.setattr(Path, "rmdir", fuse_rmdir)
+    with pytest.raises(RuntimeError, match="the run's own failure"):  # (was that OSError, after a traceback)
+        with checkpoint.locked_out_dir(tmp_path / "out", world.World()):
+            raise RuntimeError("the run's own failure")
+    assert not (tmp_path / "out").exists()
     made = tmp_path / "made"  # one the user made, empty: it stays (only a folder the run made for nothing goes)
     made.mkdir()
     (made / "run.lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": "x" * 500}))  # longer

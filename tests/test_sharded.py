@@ -354,6 +354,29 @@ def test_a_background_save_whose_folder_is_gone_still_ends_with_its_failure(tmp_
     assert background.failure(wait=True) == "FileNotFoundError: [Errno 2] No such file or directory"
 
 
+def test_a_save_on_a_full_disk_measures_the_space_before_its_part_goes(tmp_path, monkeypatch):
+    """The part written was deleted first, its space freed and found enough: "make out_dir writable", the line
+    said (torch's zip writer reports a write cut short as "unexpected pos", with no errno)."""
+    from types import SimpleNamespace
+
+    import torch.distributed.checkpoint as dcp
+    import sharded
+    from model import GPT, GPTConfig
+    from world import World
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=16))
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu", fused=False)
+
+    def cut_short(state, storage_writer, **kwargs):
+        (tmp_path / TMP / "__0_0.distcp").write_bytes(b"the part written")
+        raise dcp.api.CheckpointException("save", {0: (RuntimeError("unexpected pos 704 vs 598"), None)})
+    monkeypatch.setattr(dcp, "save", cut_short)
+    full = lambda folder: SimpleNamespace(free=0 if (tmp_path / TMP).exists() else 1e9)  # noqa: E731 (till it goes)
+    monkeypatch.setattr(shutil, "disk_usage", full)
+    with pytest.raises(OSError, match=r"^rank 0: No space left on device: a checkpoint takes about 0\.0 MB, 0\.0 MB"):
+        sharded.save_run(model, optimizer, {"step": 5}, tmp_path, False, World())
+    assert not (tmp_path / TMP).exists()
+
+
 def test_a_background_save_that_fails_stops_the_run_at_the_next_log_step(char_data, tmp_path, monkeypatch):
     """Not at the next save, eval_interval steps later: every step in between is work no checkpoint keeps."""
     from concurrent.futures import Future
@@ -402,14 +425,15 @@ def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(char_data, sha
     assert parts and parts | {".metadata.tmp"} <= files  # (DCP's sync_files; .metadata is written, synced, renamed)
 
 
-def test_a_sharded_checkpoint_holds_the_tied_embedding_once_and_newest_step_is_lasts(sharded):
+def test_a_sharded_checkpoint_holds_the_tied_embedding_once_and_resume_step_is_the_first_readables(sharded):
     import checkpoint
     import sharded as module
     keys = module.parts(sharded / "last.dcp")[1].state_dict_metadata  # (GPT-2 124M's lm_head: 150 MB a save)
     assert "model.transformer.wte.weight" in keys and "model.lm_head.weight" not in keys
     steps = [ckpt(sharded, f"{name}.dcp")["step"] for name in ("last", "previous")]
-    assert steps[0] > steps[1] and [checkpoint.newest_step([sharded / f"{a}.dcp", sharded / f"{b}.dcp"]) for a, b in (
-        ("last", "previous"), ("previous", "last"))] == [steps[0]] * 2  # (rank 0's: another host's must not be newer)
+    assert steps[0] > steps[1] and [checkpoint.resume_step([sharded / f"{a}.dcp", sharded / f"{b}.dcp"]) for a, b in (
+        ("last", "previous"), ("previous", "last"))] == steps  # (rank 0's: another host's must not be newer)
+    assert checkpoint.resume_step([sharded / "nothing.dcp", sharded / "previous.dcp"]) == steps[1]
 
 
 def test_a_sharded_checkpoint_of_another_shape_is_refused(char_data, sharded, tmp_path, script):
