@@ -61,7 +61,7 @@ class Logger:
                 self.wandb = wandb.init(project=cfg.wandb_project, config=cfg.to_dict(), dir=cfg.out_dir,
                                         name=cfg.wandb_run_name or Path(os.path.realpath(cfg.out_dir)).name)
             except Exception as e:  # no API key, no network, not installed, a project name wandb refuses
-                named = "name" in str(e).lower() and "key" not in str(e).lower()  # (a login would not help)
+                named = "name" in str(e).lower() and "api key" not in str(e).lower()  # (a login would not help)
                 offline = os.environ.get("WANDB_MODE") in ("offline", "disabled")  # (already: say it not)
                 fix = "run pip install wandb" if isinstance(e, ImportError) else "check --wandb_project and " \
                     "--wandb_run_name" if named else f"check {e.filename}" if getattr(e, "filename", None) else \

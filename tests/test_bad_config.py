@@ -907,9 +907,9 @@ def test_wandb_that_cannot_start_is_one_line(char_data, tmp_path, script, monkey
         "error: wandb could not start (UsageError: No API key configured. Use `wandb login` to log to W&B.): "
         "run `wandb login`, or set WANDB_MODE=offline, or use --wandb_log=false\n"), proc.stderr
     assert old_log.read_text() == '{"step": 1, "loss": 3.0}\n'
-    monkeypatch.setattr(wandb, "init", raising(wandb.errors.UsageError("Invalid project name 'a/b': cannot contain "
-                                                                      "characters '/,\\,#,?,%,:', found '/'")))
-    proc = script("train.py", *tiny_args(char_data, tmp_path / "out", wandb_log=True, wandb_project="a/b"))
+    monkeypatch.setattr(wandb, "init", raising(wandb.errors.UsageError("Invalid project name 'monkey/b': cannot "
+                                                                      "contain characters '/,\\,#,?,%,:', found '/'")))
+    proc = script("train.py", *tiny_args(char_data, tmp_path / "out", wandb_log=True, wandb_project="monkey/b"))
     assert proc.returncode == 2 and proc.stderr.endswith("): check --wandb_project and --wandb_run_name, or use "
                                                          "--wandb_log=false\n"), proc.stderr  # (not `wandb login`)
     monkeypatch.setenv("WANDB_MODE", "offline")  # its folder cannot be made: the path, not "set WANDB_MODE=offline"
@@ -952,7 +952,7 @@ def test_help_lists_every_config_name_with_its_default(capsys):
     assert capsys.readouterr().out == f"{bench.__doc__}\n{Config.defaults()}\n"
 
 
-@pytest.mark.parametrize("addr, port", [("127.0.0.1", "abc"), ("127.0.0.1", "99999"), ("127.0.0.1", None),
+@pytest.mark.parametrize("addr, port", [("127.0.0.1", "abc"), ("127.0.0.1", "65536"), ("127.0.0.1", None),
                                         (None, "29500"), ("127.0.0.1", "0")])  # (0: the store would bind any port)
 def test_a_master_address_or_port_that_cannot_be_is_a_clear_error(char_data, tmp_path, monkeypatch, capsys, addr,
                                                                    port):

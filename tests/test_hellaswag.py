@@ -269,6 +269,7 @@ def test_a_missing_file_says_where_to_put_it_and_a_bad_download_is_refused(hf_fo
     for bad, needle in [("--dist_timeout=-1", "--dist_timeout must be positive seconds"),
                         ("--dist_timeout=nan", "--dist_timeout must be positive seconds"),
                         ("--dist_timeout=0.0004", "--dist_timeout must be positive seconds, 1 to 1e6"),
+                        ("--dist_timeout=inf", "--dist_timeout must be positive seconds, 1 to 1e6, got inf"),
                         ("--batch_size=0", "--batch_size must be positive, got 0"),
                         ("--val_windows=0", "--val_windows must be positive, got 0"),
                         ("--limit=-1", "--limit must be >= 0, got -1"),

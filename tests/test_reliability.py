@@ -333,6 +333,7 @@ class PeakBytes(TorchDispatchMode):
 def test_a_huge_sample_request_runs_in_batches_that_fit_its_plan(monkeypatch, shape, prompt, new):
     config, cpu = GPTConfig(**shape), torch.device("cpu")
     per_sample = sample.sample_bytes(prompt, new, config)
+    assert sample.sample_bytes(prompt, 10**11, config) > 8 * 10**11  # (the ids: past the block, no other term grows)
     torch.manual_seed(0)
     model, idx = GPT(config).eval(), torch.zeros(20, prompt, dtype=torch.long)
     with PeakBytes([*model.state_dict().values(), idx]) as measured:  # generate's peak, per sample of a batch

@@ -162,6 +162,7 @@ def private_env(monkeypatch, env: dict) -> dict:
 
 @pytest.mark.parametrize("env, message", [
     ({**TWO_NODES_4_EACH, "SLURM_STEP_TASKS_PER_NODE": "abc"}, "SLURM_STEP_TASKS_PER_NODE='abc'): launch with srun"),
+    ({**TWO_NODES_4_EACH, "SLURM_STEP_TASKS_PER_NODE": "4(x2)junk"}, "SLURM_STEP_TASKS_PER_NODE='4(x2)junk')"),
     ({**TWO_NODES_4_EACH, "SLURM_NODEID": "2"}, "SLURM_NODEID=2, SLURM_STEP_TASKS_PER_NODE='4(x2)'"),
     ({**TWO_NODES_4_EACH, "SLURM_PROCID": None}, "(SLURM_PROCID=None,"),
     ({**TWO_NODES_4_EACH, "SLURM_JOB_ID": "abc"}, "got {'SLURM_JOB_ID': 'abc'}"),
