@@ -203,22 +203,22 @@ def memory_problem(model_cfg, cfg, world: World):
     A lower bound, so only the impossible is refused: weights, gradients and AdamW moments
     (16 bytes a parameter, sharded under FSDP) plus one micro-batch's float32 logits and the input of each block,
     kept for backward (also under activation checkpointing); and the loader's order of windows in host memory."""
-    n, c = model_cfg.n_params, model_cfg
+    n, per_token = model_cfg.n_params, model_cfg.padded_vocab_size + model_cfg.n_layer * model_cfg.n_embd
     state = 16 * n // (world.shard_size if world.strategy == "fsdp" else 1)
-    logits = 4 * cfg.batch_size * cfg.block_size * (c.padded_vocab_size + c.n_layer * c.n_embd)  # (and block inputs)
+    batch = 4 * cfg.batch_size * cfg.block_size * per_token  # float32 logits and block inputs
     available = available_memory(world.device, world.local_size)
-    if state + logits > available:  # (fsdp_shard_size below the world: more processes shrink no shard)
+    if state + batch > available:  # (fsdp_shard_size below the world: more processes shrink no shard)
         # (a host's processes share its memory: fewer of them help where each holds the whole model)
         cpu = "fewer processes on this host, or " * (world.local_size > 1 and world.strategy != "fsdp") + "more hosts"
         more = "--fsdp_shard_size=0, which shards over every rank" if world.strategy == "fsdp" and \
             world.shard_size < world.size else (cpu if world.device.type == "cpu" else "more processes") + \
             " with --strategy=fsdp" * (world.strategy != "fsdp")
-        smaller = "block_size" if cfg.batch_size == 1 else "batch_size"  # (sharding leaves the logits whole)
-        return (f"this model needs at least {(state + logits) / 1e9:,.1f} GB per process ({n / 1e6:,.0f}M "
-                f"parameters: {state / 1e9:,.1f} GB of weights, gradients and AdamW moments, {logits / 1e9:,.1f} GB "
+        smaller = "block_size" if cfg.batch_size == 1 else "batch_size"  # (sharding leaves a batch whole)
+        return (f"this model needs at least {(state + batch) / 1e9:,.1f} GB per process ({n / 1e6:,.0f}M "
+                f"parameters: {state / 1e9:,.1f} GB of weights, gradients and AdamW moments, {batch / 1e9:,.1f} GB "
                 f"of logits and activations for batch_size={cfg.batch_size}), but {world.device} has "
                 f"{available / 1e9:,.1f} GB available: choose a smaller " + (f"{smaller}" + " and model" * (
-                    state >= available) if logits >= available else f"model or batch_size, or {more}"))
+                    state >= available) if batch >= available else f"model or batch_size, or {more}"))
     table, host = 16 * cfg.global_batch_size, available_memory(torch.device("cpu"), world.local_size)
     if table > host:  # the loader's epoch holds every window's start (int64), twice while it is made
         return (f"global_batch_size={cfg.global_batch_size:,} needs at least {table / 1e9:,.1f} GB per process for the "

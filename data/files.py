@@ -200,8 +200,8 @@ def disk_full(e: BaseException, folder: Path, need: int):
 
 class preparing:
     """An exclusive lock on `folder` itself (no lock file among the data), taken before the
-    temporaries a killed preparation left there are removed (if clean: not by a run that only waits for another's
-    preparation, in a folder that may be a mistyped one of the user's; export_hf's what: "the export"): one writes
+    temporaries a killed preparation left there are removed (if clean: a run that only waits for another's
+    preparation leaves them, in what may be a user's mistyped folder; export_hf's `what`: "the export"): one writes
     into a folder at a time (another, on this host or one sharing the disk, waits for it). Held until the end of
     its with block, which names the folder in a full disk's error. Inside another of this process's (train.py's
     start-up, around a prepare script's), it takes nothing: a second flock would wait for the first."""
