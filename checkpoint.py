@@ -24,8 +24,8 @@ from config import Config
 import sharded
 from collectives import agree_or_raise, on_rank0
 from data.dataset import has_shards
-from data.files import (atomic_write, disk_full, link_or_copy, lock_note, read_json, remove_stale_temporaries,
-                        same_path, tensor_bytes)
+from data.files import (atomic_write, disk_full, enclosing, link_or_copy, lock_note, read_json,
+                        remove_stale_temporaries, same_path, tensor_bytes)
 from errors import ConfigError, OutDirBusy, OutDirUnwritable, UnreadableCheckpoint, load_failure
 from model import GPT, GPTConfig
 
@@ -68,8 +68,7 @@ def locked_out_dir(out_dir, world, data_dir=None):
     created = world.is_master and not out_dir.exists()
     if world.is_master:
         try:
-            real = Path(os.path.realpath(out_dir))  # (a checkpoint itself too: its files went at the next save)
-            inside = next((p for p in (real, *real.parents) if p.suffix == ".dcp"), None)
+            inside = enclosing(out_dir, ".dcp")  # (a checkpoint itself too: its files went at the next save)
             model = any((out_dir / name).is_file() for name in ("model.safetensors", "pytorch_model.bin"))  # (HF's)
             data = data_dir and same_path(out_dir, data_dir) or (out_dir / "train.bin").exists() or \
                 has_shards(out_dir)  # (data_dir: the run may prepare it there, then write its meta.json over it)

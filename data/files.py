@@ -144,6 +144,13 @@ def same_path(a, b) -> bool:
         return False
 
 
+def enclosing(path, suffix: str):
+    """The folder named *suffix (a sharded checkpoint's .dcp: a save replaces it) that `path` is or lies inside,
+    links resolved; or None."""
+    real = Path(os.path.realpath(path))  # (Path.resolve raises on a link loop)
+    return next((p for p in (real, *real.parents) if p.suffix == suffix), None)
+
+
 def link_or_copy(src: Path, dst: Path):
     """Point `dst` at `src`'s bytes: a hard link costs no second write; else copy."""
     if dst.exists() and os.path.samefile(src, dst):

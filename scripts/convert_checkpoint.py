@@ -9,7 +9,6 @@ from either (resume=auto takes the newest in out_dir); sample.py, eval.py and
 scripts/export_hf.py read either. Bad input: one line on stderr, exit 2.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch  # noqa: E402
 
 import checkpoint  # noqa: E402
 from config import FIELD_TYPES, Config  # noqa: E402
+from data.files import enclosing  # noqa: E402
 from model import GPTConfig  # noqa: E402
 from errors import ArgumentParser, ConfigError, first_line, reported, write_failure  # noqa: E402
 
@@ -35,7 +35,7 @@ def main(argv=None):
         raise ConfigError(f"{args.source} is not a sharded checkpoint folder (NAME.dcp) train.py wrote")
     if args.dest.suffix != ".pt":
         raise ConfigError(f"{args.dest}: name the file NAME.pt, as train.py and resume= expect")
-    if any(p.suffix == ".dcp" for p in Path(os.path.realpath(args.dest)).parents):  # (a save replaces that folder)
+    if enclosing(args.dest, ".dcp"):  # (a save replaces that folder)
         raise ConfigError(f"{args.dest} is inside a sharded checkpoint, which a save replaces: write it beside it")
     state = checkpoint.check_format(checkpoint.read(args.source), args.source)
     if missing := [k for k in checkpoint.REQUIRED if k not in state]:

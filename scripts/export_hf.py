@@ -29,7 +29,7 @@ from safetensors.torch import save  # noqa: E402
 import checkpoint  # noqa: E402
 import pretrained  # noqa: E402
 from data.dataset import GPT2_EOT, has_shards  # noqa: E402
-from data.files import atomic_write_bytes, fsync_dir, preparing, read_json, same_path  # noqa: E402
+from data.files import atomic_write_bytes, enclosing, fsync_dir, preparing, read_json, same_path  # noqa: E402
 from data.tokenizers import write_gpt2_tokenizer_files  # noqa: E402
 from errors import ArgumentParser, ConfigError, first_line, reported, write_failure  # noqa: E402
 from model import GPT  # noqa: E402
@@ -107,7 +107,7 @@ def main(argv=None):
     except (OSError, ValueError, LookupError, TypeError, AttributeError):  # (no config.json: an older run, a copy)
         began = False
     run = any((to / name).exists() for name in checkpoint.WRITTEN if name != "config.json") or any(to.glob("*.dcp"))
-    named = to.suffix in (".pt", ".dcp") or any(p.suffix == ".dcp" for p in to.parents)  # (a run's next save
+    named = to.suffix == ".pt" or enclosing(to, ".dcp") is not None  # (through a link too; a run's next save
     if mine or began or run or named:  # replaces it) a run's (its config.json), its init_from, or a checkpoint
         what = ("a checkpoint's name, or inside one" if named else "the run's own folder" if mine else
                 "the folder the run started from (init_from)" if began else
