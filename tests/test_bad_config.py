@@ -513,7 +513,7 @@ def test_train_spawn_exits_2_and_debug_shows_the_traceback(char_data, tmp_path, 
     # one line, though every rank raised it (they once each printed it, and the launcher its terminations)
     assert quiet.returncode == 2 and quiet.stderr.startswith(f"error: {message}"), quiet.stderr
     assert quiet.stderr.count("\n") == 1 and "Traceback" not in quiet.stderr, quiet.stderr
-    loud = python(*args, "--debug", timeout=120)
+    loud = python(args[0], "--debug", *args[1:], timeout=120)  # (first: not read as a setting before the problem)
     assert loud.returncode == 2 and "Traceback (most recent call last)" in loud.stderr, loud.stderr
     assert loud.stderr.strip().splitlines()[-1] == quiet.stderr.strip()  # the same error, not one about --debug
     assert nothing_written(tmp_path / "out")

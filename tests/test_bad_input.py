@@ -187,9 +187,10 @@ def test_when_no_checkpoint_reads_the_line_says_what_to_do(trained_copy, char_da
 def test_a_resume_at_or_past_max_iters_says_nothing_is_left_to_train(trained_copy, char_data, capsys):
     """It exited 0 with no word after "resuming from"."""
     before = (trained_copy / "last.pt").read_bytes()
-    assert train_here(char_data, trained_copy, max_iters=5, eval_interval=5, resume="auto")["step"] == 10
-    printed = capsys.readouterr().out
-    assert "at step 10, max_iters=5: nothing is left to train (raise --max_iters to go on)" in printed
+    for max_iters in (10, 5):  # the same command again, and a smaller max_iters
+        assert train_here(char_data, trained_copy, max_iters=max_iters, eval_interval=5, resume="auto")["step"] == 10
+        printed = capsys.readouterr().out
+        assert f"at step 10, max_iters={max_iters}: nothing is left to train (raise --max_iters to go on)" in printed
     assert "(4 per micro-batch x 1 process x 2 accumulation steps)" in printed  # (not "1 processes")
     assert (trained_copy / "last.pt").read_bytes() == before
 

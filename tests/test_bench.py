@@ -219,6 +219,20 @@ def test_plot_runs_tells_same_named_folders_apart_and_skips_unreadable_lines(tmp
     assert proc.returncode == 2 and proc.stderr == "error: a folder is given twice: give each run once\n", proc.stderr
 
 
+def test_plot_runs_reads_an_older_config_and_a_png_named_in_capitals(tmp_path, capsys):
+    """A config.json from before tokens_per_step was written: the tokens seen come from metrics.jsonl; a world size
+    that no run has is no label; --out=X.PNG is a PNG."""
+    import plot_runs
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "val_loss": 4.0, "tokens_seen": 0}\n'
+                                            '{"step": 4, "loss": 3.0, "val_loss": 3.5, "tokens_seen": 512}\n')
+    (tmp_path / "config.json").write_text('{"run": {"world_size": -2}}')
+    run = plot_runs.read_run(tmp_path)
+    assert run["tokens_per_step"] == 128 and run["world"] is None and run["val"] == [(0, 4.0), (4, 3.5)]
+    plot_runs.main([str(tmp_path), f"--out={tmp_path / 'X.PNG'}"])
+    assert capsys.readouterr().out == f"1 run -> {tmp_path / 'X.PNG'}\n"
+    assert_png(tmp_path / "X.PNG")
+
+
 def test_plot_runs_bad_input_is_one_line(tmp_path, script):
     (tmp_path / "empty").mkdir()
     (tmp_path / "nolosses").mkdir()

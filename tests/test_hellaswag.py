@@ -505,7 +505,7 @@ def test_eval_py_under_torchrun_prints_the_one_process_line(hf_folder, hs_file):
     assert alone.returncode == 0 and shared.returncode == 0, alone.stderr + shared.stderr
     assert LINE.fullmatch(alone.stdout.splitlines()[-1])
     assert shared.stdout.splitlines()[-1] == alone.stdout.splitlines()[-1]
-    assert "2 processes" in shared.stdout
+    assert "2 processes" in shared.stdout and ", 1 process\n" in alone.stdout  # (not "1 processes")
 
 
 def _eval_rank(rank, world_size, args):

@@ -134,6 +134,15 @@ def test_bad_input_exits_with_a_clear_message(trained, tmp_path, sample, args, m
     assert err.count("\n") == 1
 
 
+def test_every_byte_that_is_not_utf8_in_argv_is_refused():
+    """Python keeps argv's bytes 0x80-0xff as the surrogates U+DC80-U+DCFF: both ends, not only a middle one."""
+    import sample as sample_py
+    from errors import ConfigError
+    for byte in ("\udc80", "\udcff"):
+        with pytest.raises(ConfigError, match="^--start is not UTF-8 text"):
+            sample_py.read_prompt("caf" + byte)
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda out: (out / "best.pt").unlink() or (out / "last.pt").unlink(), "no best.pt, last.pt or previous.pt in"),
     (lambda out: (out / "best.pt").rename(out / "ckpt.pt") and (out / "last.pt").unlink(),  # nanoGPT's

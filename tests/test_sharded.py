@@ -332,6 +332,9 @@ def test_the_converter_does_not_replace_a_newer_checkpoint(sharded, tmp_path, sc
     args = {k: v for k, v in earlier["model_args"].items() if k != "pad_vocab_to"}
     torch.save({**earlier, "model_args": {**args, "dropout": 0.3}}, tmp_path / "x.pt")
     assert script("scripts/convert_checkpoint.py", sharded / "last.dcp", tmp_path / "x.pt").returncode == 0
+    (tmp_path / "x.pt").write_bytes(b"junk")  # no checkpoint at all: replaced too, as --help says
+    assert script("scripts/convert_checkpoint.py", sharded / "last.dcp", tmp_path / "x.pt").returncode == 0
+    assert torch.load(tmp_path / "x.pt", weights_only=True)["step"] == 12
 
 
 @pytest.mark.slow  # mount and umount are processes
