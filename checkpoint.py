@@ -196,7 +196,10 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
                           f"but the dataset now has {model_args['vocab_size']} (its meta.json): resume with the data "
                           f"it was trained on (dataset={ckpt['config'].get('dataset')!r}, data_dir="
                           f"{ckpt['config'].get('data_dir')!r}) or start afresh with --resume=never")
-    vocab = ckpt["vocab"] if "vocab" in ckpt else saved_vocabulary(path.parent / "meta.json")  # older files: beside
+    vocab = ckpt.get("vocab")
+    if "vocab" not in ckpt:  # older files: that of the meta.json beside it (a later run's?), if any
+        with suppress(OSError, ValueError, AttributeError):  # (none there, copied elsewhere, not a dict)
+            vocab = {k: v for k, v in read_json(path.parent / "meta.json").items() if k in ("tokenizer", "chars")}
     if meta is not None and isinstance(vocab, dict) and any(vocab[k] != meta.get(k) for k in vocab):
         raise ConfigError(f"{path} was trained on another vocabulary than the dataset's (same size, other tokens): "
                           f"resume with the data it was trained on (data_dir={ckpt['config'].get('data_dir')!r}) "
@@ -212,15 +215,6 @@ def load(path: Path, model_args: dict, cfg: Config, meta: dict = None) -> dict:
         raise ConfigError(f"{path}: {problem}: it was not written by this train.py as it is (edited by hand?)")
     ckpt["path"] = str(path)
     return ckpt
-
-
-def saved_vocabulary(meta_path: Path):
-    """An older checkpoint's vocabulary (none inside it): that of the meta.json beside it (a later run's?), or None."""
-    try:
-        saved = read_json(meta_path)
-    except (OSError, ValueError):  # none there (copied elsewhere): vocab_size is all there is
-        return None
-    return {k: saved[k] for k in ("tokenizer", "chars") if k in saved} if isinstance(saved, dict) else None
 
 
 def malformed(ckpt: dict, model_args: dict, cfg: Config):
@@ -342,8 +336,8 @@ def newer_than_rank0(cfg: Config, world, rank0_step: int):
     """Why this host's own out_dir holds a newer checkpoint than rank 0's, or None. (A c10d rendezvous
     may make another host's process rank 0 on a relaunch: the run started again from step 0.)"""
     own = [] if world.is_master or world.local_rank else newest([Path(cfg.out_dir, f"last.{s}") for s in ("pt", "dcp")])
-    mine = resume_step(own)
+    mine, path = next(((s, p) for p in own if (s := resume_step([p])) >= 0), (-1, None))  # (the one that reads)
     return None if mine <= rank0_step else (
-        f"{own[0]} on {socket.gethostname()} (rank {world.rank}) is of step {mine}, but rank 0's out_dir holds "
+        f"{path} on {socket.gethostname()} (rank {world.rank}) is of step {mine}, but rank 0's out_dir holds "
         f"{f'step {rank0_step}' if rank0_step >= 0 else 'none'}: relaunch with that host's processes as ranks 0.. "
         f"(torchrun's static rendezvous, --node_rank=0 there), or copy its out_dir to rank 0's host")

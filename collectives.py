@@ -209,16 +209,6 @@ def _join(world, dist_timeout: float):
     world.group = dist.new_group(backend="gloo", timeout=timeout) if world.backend != "gloo" else None
 
 
-def _check_group(world):
-    """One small all-reduce with a known answer, so a broken fabric fails now, not at step 500."""
-    probe = torch.tensor([world.rank + 1.0], device=world.device)
-    dist.all_reduce(probe)
-    expected = world.size * (world.size + 1) / 2
-    if probe.item() != expected:
-        raise RunError(f"the startup all-reduce over {world.backend} gave {probe.item()}, not "
-                       f"{expected}: the connection between ranks is broken")
-
-
 @contextmanager
 def process_group(world, dist_timeout: float):
     """The process group for this launch, checked, and always torn down (a single process
@@ -229,8 +219,11 @@ def process_group(world, dist_timeout: float):
           f"device {world.device} | backend {world.backend if world.size > 1 else 'none'}\n", end="", flush=True)
     try:
         with collective_failures_explained(world, dist_timeout, lambda: "before the first step"):
-            if world.size > 1:
-                _check_group(world)
+            if world.size > 1:  # an all-reduce with a known answer: a broken fabric fails now, not at step 500
+                dist.all_reduce(probe := torch.tensor([world.rank + 1.0], device=world.device))
+                if probe.item() != (expected := world.size * (world.size + 1) / 2):
+                    raise RunError(f"the startup all-reduce over {world.backend} gave {probe.item()}, not "
+                                   f"{expected}: the connection between ranks is broken")
             yield
     finally:
         if dist.is_initialized():

@@ -38,7 +38,7 @@ from evals.loss import val_loss
 from loader import Dataset, ShardedTokenLoader, eval_starts, token_splits
 from logger import Logger
 from model import GPT, GPTConfig
-from world import StopSignal, World, autocast, release_freed_memory, setup, strip_local_rank
+from world import LIBC, StopSignal, World, autocast, setup, strip_local_rank
 
 
 # -----------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def build_run(cfg: Config, world: World, meta: dict) -> Run:
         ckpt = on_rank0(lambda: {"model": pretrained.load_state(cfg.init_from, raw_model)}, world, ("model",))
         parallel.load_full_state(raw_model, optimizer, world, ckpt)
     del ckpt  # rank 0's whole copy, and under FSDP its whole first model, are garbage now:
-    release_freed_memory()  # back to the OS, or glibc keeps them resident through training
+    LIBC and LIBC.malloc_trim(0)  # back to the OS (glibc's freed buffers under 4 MB), or resident through training
     run.model = parallel.wrap(torch.compile(raw_model) if cfg.compile else raw_model, raw_model, world)
     return run
 

@@ -178,15 +178,6 @@ def autocast_runs(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def pick_backend(name: str, device: torch.device) -> str:
-    backend = name if name != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    if not dist.is_backend_available(backend):
-        raise ConfigError(f"backend '{backend}' is not available in this torch build: use gloo")
-    if backend == "nccl" and device.type != "cuda":
-        raise ConfigError("backend nccl needs CUDA devices: use --backend=gloo on CPU")
-    return backend
-
-
 def use_device(world: World):
     """Make world.device this process's own: its GPU, or its share of the host's CPU cores."""
     if world.device.type == "cpu":  # ranks on one host share its cores
@@ -244,12 +235,6 @@ def keep_cpu_memory_lean():
         LIBC.mallopt(-1, 32 << 20)
 
 
-def release_freed_memory():
-    """Return what glibc keeps of freed buffers under 4 MB (a loaded checkpoint's) to the OS."""
-    if LIBC:
-        LIBC.malloc_trim(0)
-
-
 def place(device: str, dtype: str, backend: str, claim: bool = True, world: World = None) -> World:
     """Ranks (`world`'s, else the launcher's), device, dtype and backend, all checked before any group
     forms (eval.py's start-up). claim=False only checks: a launcher's parent (train_spawn, bench)
@@ -259,7 +244,11 @@ def place(device: str, dtype: str, backend: str, claim: bool = True, world: Worl
     if claim and world.device.type == "cpu":
         keep_cpu_memory_lean()  # before the first tensor (pick_dtype may make one)
     world.dtype = pick_dtype(dtype, world.device)
-    world.backend = pick_backend(backend, world.device)
+    world.backend = backend if backend != "auto" else ("nccl" if world.device.type == "cuda" else "gloo")
+    if not dist.is_backend_available(world.backend):
+        raise ConfigError(f"backend '{world.backend}' is not available in this torch build: use gloo")
+    if world.backend == "nccl" and world.device.type != "cuda":
+        raise ConfigError("backend nccl needs CUDA devices: use --backend=gloo on CPU")
     if claim:
         use_device(world)
     return world

@@ -690,6 +690,19 @@ def test_a_relaunch_whose_rank_0_is_on_a_host_without_the_newest_checkpoint_stop
                     f"static rendezvous, --node_rank=0 there), or copy its out_dir to rank 0's host"] * 2, said
 
 
+def test_a_hosts_newer_checkpoint_is_named_by_the_file_that_holds_its_step(tmp_path):
+    """Its last.dcp newer than its last.pt but unreadable: the step is last.pt's, and so is the name (was last.dcp)."""
+    import socket
+    import checkpoint
+    from world import World
+    torch.save({"step": 7}, tmp_path / "last.pt")
+    (tmp_path / "last.dcp").mkdir()
+    os.utime(tmp_path / "last.pt", (1, 1))
+    said = checkpoint.newer_than_rank0(Config(out_dir=str(tmp_path)), World(rank=2, local_rank=0, size=4), 3)
+    assert said.startswith(f"{tmp_path / 'last.pt'} on {socket.gethostname()} (rank 2) is of step 7, but rank 0's "
+                           f"out_dir holds step 3: "), said
+
+
 def test_a_prepare_at_start_up_that_fails_is_one_line_naming_the_dataset(tmp_path, monkeypatch, capsys):
     """One process (the test below: two ranks, the other told to see this one's message)."""
     latin1, fresh = write_bytes(tmp_path / "latin1.txt", LATIN1), tmp_path / "fresh"
