@@ -25,7 +25,7 @@ import sharded
 from collectives import agree_or_raise, on_rank0
 from data.dataset import has_shards
 from data.files import (atomic_write, disk_full, enclosing, link_or_copy, lock_note, read_json,
-                        remove_stale_temporaries, same_path, tensor_bytes)
+                        remove_stale_temporaries, same_path, tensor_bytes, why_unreadable)
 from errors import ConfigError, OutDirBusy, OutDirUnwritable, UnreadableCheckpoint, load_failure
 from model import GPT, GPTConfig
 
@@ -140,7 +140,7 @@ def find(cfg: Config) -> list:
                    [out / f"{kind}{suffix}" for kind in ("last", "previous") for suffix in (".pt", ".dcp")])
     if not paths and (cfg.init_from == "resume" or cfg.resume not in ("auto", "never")):  # (not both: config.py)
         what = (f"no last.pt, last.dcp or previous one in {out}" if cfg.resume == "auto" else
-                f"{cfg.resume} does not exist")
+                f"{cfg.resume} {why_unreadable(cfg.resume)}")  # (in a folder this user may not enter: that)
         raise ConfigError(f"nothing to resume from: {what}")
     return paths
 
@@ -162,6 +162,8 @@ def read(path: Path, tensors: bool = True):
         if damaged is None:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=not tensors)
         reason = f"its bytes are damaged (record {damaged} fails its CRC-32 check)"
+    except PermissionError:  # a mode or an owner (errors.reported says so), not a damage to fall back from
+        raise
     except Exception as e:  # nothing in a bad file may end in a traceback
         truncated = isinstance(e, (EOFError, zipfile.BadZipFile)) or "zip archive" in str(e) or \
             getattr(e, "errno", None) == errno.EINVAL
@@ -326,7 +328,7 @@ def resume_step(paths: list) -> int:
     def step(path):
         try:
             ckpt = read(Path(path), tensors=False)
-        except ConfigError:  # (UnreadableCheckpoint among them)
+        except (ConfigError, PermissionError):  # (UnreadableCheckpoint among them)
             return -1
         return ckpt["step"] if isinstance(ckpt, dict) and type(ckpt.get("step")) is int else -1
     return next((s for s in map(step, paths) if s >= 0), -1)

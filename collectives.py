@@ -8,6 +8,7 @@ instead of the real problem. So all vote first (any_rank), then all raise the sa
 Messages travel as JSON over the world's gloo group, never as pickle.
 """
 
+import errno
 import gc
 import json
 import os
@@ -76,15 +77,19 @@ def differs_from_rank0(settings: dict, world, per_host: tuple = (), what: str = 
 
 def on_rank0(read, world, rank0_only: tuple = ()):
     """read() on rank 0 only; its result (plain values) or its ConfigError (UnreadableCheckpoint
-    stays one) on every rank. Keys of a dict result named in `rank0_only` (tensors) are None on the others."""
+    stays one), or its PermissionError of a file, on every rank. Keys of a dict result named in `rank0_only` (tensors) are None on the others."""
     result, error = None, None
     if world.is_master:
         try:
             result = read()
         except ConfigError as e:
             error = [str(e), isinstance(e, UnreadableCheckpoint)]
+        except PermissionError as e:  # a file's mode or owner: on every rank, for errors.reported to word
+            error = [e.filename, None] if e.filename is not None else [str(e), False]
     shared = {k: None if k in rank0_only else v for k, v in result.items()} if isinstance(result, dict) else result
     shared, error = broadcast_json([shared, error], world)
+    if error and error[1] is None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), error[0])
     if error:
         raise (UnreadableCheckpoint if error[1] else ConfigError)(error[0])
     return result if world.is_master else shared

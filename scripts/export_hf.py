@@ -39,8 +39,8 @@ TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
 
 def export(model: GPT, folder, gpt2_tokenizer: bool):
     """Write `model` as a Hugging Face GPT-2 folder: config.json, model.safetensors and, for a
-    model of GPT-2's BPE, the tokenizer files. They are made in a temporary folder inside it, then
-    moved in: a failure (a full disk, a damaged vocabulary file) leaves what was there as it was."""
+    model of GPT-2's BPE, the tokenizer files (their names are returned). They are made in a temporary folder
+    inside it, then moved in: a failure (a full disk, a damaged vocabulary file) leaves what was there as it was."""
     folder = Path(folder)
     parts = (p.name for p in (*folder.glob("model-*-of-*.safetensors"), *folder.glob("pytorch_model-*-of-*.bin")))
     stale = ("pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json", "tokenizer.json",
@@ -63,11 +63,13 @@ def export(model: GPT, folder, gpt2_tokenizer: bool):
             atomic_write_bytes(Path(tmp, "config.json"), (json.dumps(config, indent=1) + "\n").encode())
             if gpt2_tokenizer:
                 write_gpt2_tokenizer_files(tmp, cfg.block_size)
-            for made in sorted(Path(tmp).iterdir()):
-                os.replace(made, folder / made.name)
+            made = sorted(p.name for p in Path(tmp).iterdir())
+            for name in made:
+                os.replace(Path(tmp, name), folder / name)
         for name in stale:  # an earlier export's or download's files would describe another model (or tokenizer)
             (folder / name).unlink(missing_ok=True)
         fsync_dir(folder)
+    return made
 
 
 @contextmanager
@@ -115,13 +117,12 @@ def main(argv=None):
         raise ConfigError(f"--to={to} is {what}: give another folder, of its own (files there are replaced)")
     model, meta, path, step = pretrained.load_model(out_dir, "cpu", prefer=args.checkpoint)
     try:
-        export(model, to, gpt2_tokenizer=meta["tokenizer"] == "gpt2")
+        made = export(model, to, gpt2_tokenizer=meta["tokenizer"] == "gpt2")
     except OSError as e:
         raise ConfigError(f"cannot write {to}: {write_failure(e)}") from None
     except ValueError as e:  # data/gpt2.tiktoken missing or damaged
         raise ConfigError(f"cannot write GPT-2's tokenizer files: {first_line(e)}") from None
-    files = ", ".join(sorted(f.name for f in to.iterdir() if not f.name.startswith(".")))
-    print(f"{path} (step {step}) -> {to}/ ({files})")
+    print(f"{path} (step {step}) -> {to}/ ({', '.join(made)})")  # (not a user's own files beside them)
 
 
 if __name__ == "__main__":

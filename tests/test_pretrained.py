@@ -438,8 +438,10 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, bpe_data, trai
                "pytorch_model-00002-of-00002.bin")  # a larger model's download, in parts: left beside the export
     for name in sharded:
         (tmp_path / "hf" / name).write_text("{}")
+    (tmp_path / "hf" / "notes.txt").write_text("mine")  # kept, and not listed as exported (it was)
     proc = script("scripts/export_hf.py", f"--out_dir={out}", f"--to={tmp_path / 'hf'}")
     assert proc.returncode == 0, proc.stderr
+    assert "notes.txt" not in proc.stdout and (tmp_path / "hf" / "notes.txt").read_text() == "mine"
     assert not {"added_tokens.json", "special_tokens_map.json", *sharded} & set(os.listdir(tmp_path / "hf"))
     assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["model_max_length"] == 32
     assert "model.safetensors" in proc.stdout and "vocab.json" in proc.stdout

@@ -452,6 +452,7 @@ def obeying_file_modes():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("entry, args", [("train.py", ["--out_dir={locked}/out"]), ("train.py", ["--data_dir={locked}/data"]),
+                                         ("train.py", ["--resume={locked}/last.pt"]),  # (was "does not exist")
                                          ("sample.py", ["--out_dir={locked}/run"]),
                                          ("scripts/export_hf.py", ["--out_dir={locked}/run", "--to={locked}/../hf"])])
 def test_a_folder_this_user_may_not_enter_is_one_line(entry, args, char_data, tmp_path):
@@ -468,6 +469,44 @@ def test_a_folder_this_user_may_not_enter_is_one_line(entry, args, char_data, tm
     assert proc.returncode == 2 and re.fullmatch(
         f"error: permission denied: {re.escape(str(locked))}/\\S+: this user may not use it \\(check the mode and "
         f"owner of it and its folders\\), or choose another path\n", proc.stderr), proc.stderr
+
+
+@pytest.mark.slow
+def test_a_last_pt_this_user_may_not_read_stops_every_rank_and_is_kept(char_data, tmp_path):
+    """It was read as damaged: the run fell back to previous.pt and its next save replaced the good last.pt."""
+    from harness import train_here
+    out = tmp_path / "out"
+    train_here(char_data, out, max_iters=4, eval_interval=2)
+    before = {name: (out / name).read_bytes() for name in ("last.pt", "previous.pt")}
+    (out / "last.pt").chmod(0)
+    try:
+        proc = subprocess.run([sys.executable, "train_spawn.py", "--nproc=2",
+                               *tiny_args(char_data, out, max_iters=8, eval_interval=2, resume="auto")], cwd=REPO, env=child_env(),
+                              capture_output=True, text=True, timeout=300, preexec_fn=obeying_file_modes)
+    finally:
+        (out / "last.pt").chmod(0o644)
+    assert (proc.returncode, proc.stderr) == (2, f"error: permission denied: {out / 'last.pt'}: this user may not use "
+                                                 f"it (check the mode and owner of it and its folders), or choose "
+                                                 f"another path\n"), proc.stderr
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
+def _rank0_denied(rank, world):
+    from collectives import on_rank0
+
+    def read():
+        raise PermissionError(13, "Permission denied", "/x/last.pt")
+    try:
+        on_rank0(read, world)
+    except PermissionError as e:
+        return f"{e.strerror}: {e.filename}"
+
+
+@pytest.mark.slow
+def test_rank_0s_permission_error_is_every_ranks(tmp_path):
+    """(rank 0 ended alone, with the permission line; the others waited for its answer, and lost it)"""
+    from harness import ranks_say
+    assert ranks_say(_rank0_denied, 2, tmp_path, in_group=True) == ["Permission denied: /x/last.pt"] * 2
 
 
 @pytest.mark.parametrize("tool, args", [("eval.py", ["--limit=x"]), ("data/shakespeare_char/prepare.py", ["--bogus"]),
