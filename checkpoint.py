@@ -66,39 +66,41 @@ def locked_out_dir(out_dir, world, data_dir=None):
     folder, nor data_dir. Yields the problem found (or None): train.py raises it on every rank."""
     fd, error, out_dir, gone = None, None, Path(out_dir), False
     created = world.is_master and not out_dir.exists()
-    if world.is_master:
-        try:
-            inside = enclosing(out_dir, ".dcp")  # (a checkpoint itself too: its files went at the next save)
-            model = any((out_dir / name).is_file() for name in ("model.safetensors", "pytorch_model.bin"))  # (HF's)
-            data = data_dir and same_path(out_dir, data_dir) or (out_dir / "train.bin").exists() or \
-                has_shards(out_dir)  # (data_dir: the run may prepare it there, then write its meta.json over it)
-            if inside or model or data:  # its files would go, or be replaced
-                what = f"inside the checkpoint {inside}, which a save replaces" if inside else \
-                    "a Hugging Face model's folder, whose config.json the run writes" if model else \
-                    "a dataset folder, whose meta.json the run writes"
-                raise ConfigError(f"{out_dir} is {what}: choose another --out_dir")
-            out_dir.mkdir(parents=True, exist_ok=True)
-            for path in map(out_dir.joinpath, WRITTEN):  # (run.lock is written in place: not through a link)
-                if path.exists() and not path.is_file() or path.name == "run.lock" and path.is_symlink():
-                    raise ConfigError(f"{path} is {'a link' if path.is_symlink() else 'not a file'}, but the run "
-                                      f"writes a file of its own there: move it away or choose another --out_dir")
-            fd = os.open(out_dir / "run.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # (a signal before the yield, as after it: a new folder holding only run.lock goes)
+        if world.is_master:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                error = str(OutDirBusy(out_dir, os.read(fd, 4096).decode(errors="replace")))
-            else:
-                os.ftruncate(fd, 0)
-                os.write(fd, lock_note())
-                for path in remove_stale_temporaries(out_dir):
-                    print(f"removed {path}, left by a run that was killed while writing", flush=True)
-                with tempfile.TemporaryFile(dir=out_dir):
-                    pass
-        except OSError as e:
-            error = str(OutDirUnwritable(out_dir, e))
-        except ConfigError as e:
-            error = str(e)
-    try:
+                inside = enclosing(out_dir, ".dcp")  # (a checkpoint itself too: its files went at the next save)
+                model = any((out_dir / name).is_file() for name in ("model.safetensors", "pytorch_model.bin"))  # (HF's)
+                data = data_dir and same_path(out_dir, data_dir) or (out_dir / "train.bin").exists() or \
+                    has_shards(out_dir)  # (data_dir: the run may prepare it there, then write its meta.json over it)
+                if inside or model or data:  # its files would go, or be replaced
+                    what = f"inside the checkpoint {inside}, which a save replaces" if inside else \
+                        "a Hugging Face model's folder, whose config.json the run writes" if model else \
+                        "a dataset folder, whose meta.json the run writes"
+                    raise ConfigError(f"{out_dir} is {what}: choose another --out_dir")
+                out_dir.mkdir(parents=True, exist_ok=True)
+                for path in map(out_dir.joinpath, WRITTEN):  # (run.lock is written in place: not through a link)
+                    if path.exists() and not path.is_file() or path.name == "run.lock" and path.is_symlink():
+                        raise ConfigError(f"{path} is {'a link' if path.is_symlink() else 'not a file'}, but the run "
+                                          f"writes a file of its own there: move it away or choose another --out_dir")
+                fd = os.open(out_dir / "run.lock", os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # another run's: closed now, so never unlinked below (two starts at once)
+                    error = str(OutDirBusy(out_dir, os.read(fd, 4096).decode(errors="replace")))
+                    os.close(fd)
+                    fd = None
+                else:
+                    os.ftruncate(fd, 0)
+                    os.write(fd, lock_note())
+                    for path in remove_stale_temporaries(out_dir):
+                        print(f"removed {path}, left by a run that was killed while writing", flush=True)
+                    with tempfile.TemporaryFile(dir=out_dir):
+                        pass
+            except OSError as e:
+                error = str(OutDirUnwritable(out_dir, e))
+            except ConfigError as e:
+                error = str(e)
         if error and world.size == 1:
             raise ConfigError(error)  # alone: say it at once
         yield error

@@ -160,8 +160,7 @@ def read(path: Path, tensors: bool) -> dict:
 def _identity(path: Path):
     """Which folder `path` names now (its device and inode), or None."""
     with suppress(OSError):
-        found = os.stat(path)
-        return found.st_dev, found.st_ino
+        return (found := os.stat(path)).st_dev, found.st_ino
 
 
 def _read(path: Path, tensors: bool) -> dict:
@@ -192,14 +191,13 @@ def json_groups(groups: list) -> list:
     return [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()} for g in groups]
 
 
-def _replace_dir(src: Path, dst: Path):
-    """Move folder src to dst, replacing it: renames (atomic each), the old dst deleted last."""
-    trash = dst.with_name(f".{dst.name}.old.tmp")
-    remove(trash)
+def _replace_dir(src: Path, dst: Path) -> Path:
+    """Move folder src to dst by renames (atomic each); returns where the old dst went, for the caller to delete."""
+    remove(trash := dst.with_name(f".{dst.name}.old.tmp"))
     if os.path.lexists(dst):  # whatever it is: a damaged folder, a file, a pipe, a link to nothing
         _rename(dst, trash)
     _rename(src, dst)
-    remove(trash)
+    return trash
 
 
 def _rename(src: Path, dst: Path):
@@ -217,17 +215,19 @@ def _commit(out_dir: Path, best: bool, rotate: bool):
     (unless not rotate) and the new folder last.dcp. A kill at any moment leaves a complete last.dcp or
     previous.dcp (resume=auto takes the newest complete one); best.dcp is hard links to last.dcp's files,
     made first: killed before last.dcp is committed, the resume redoes the step and best is not lost."""
-    last, tmp = out_dir / "last.dcp", out_dir / ".best.dcp.tmp"
+    last, tmp, old = out_dir / "last.dcp", out_dir / ".best.dcp.tmp", []
     try:
         if best:
             remove(tmp)
             tmp.mkdir()
             for part in (out_dir / TMP).iterdir():  # (copytree: a full disk would be shutil.Error's list)
                 link_or_copy(part, tmp / part.name)
-            _replace_dir(tmp, out_dir / "best.dcp")
+            old.append(_replace_dir(tmp, out_dir / "best.dcp"))
         if last.exists() and rotate:
-            _replace_dir(last, out_dir / "previous.dcp")
-        _replace_dir(out_dir / TMP, last)  # (a damaged last.dcp, not rotated, is deleted)
+            old.append(_replace_dir(last, out_dir / "previous.dcp"))
+        old.append(_replace_dir(out_dir / TMP, last))  # (a damaged last.dcp, not rotated, goes)
+        for folder in old:  # once last.dcp is back: a reader of a live run found none while they were deleted
+            remove(folder)
     except OSError:  # the parts written go now, not at the next start (a full disk stays full)
         remove(tmp)
         remove(out_dir / TMP)

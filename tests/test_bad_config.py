@@ -7,6 +7,7 @@ dist_timeout and end as a failed rendezvous (exit 1), so these tests also show w
 """
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -904,6 +905,32 @@ def test_a_new_out_dir_deleted_under_a_failing_run_leaves_its_own_error(tmp_path
             assert json.loads((made / "run.lock").read_text())["pid"] == os.getpid()  # (not a longer note's tail)
             raise RuntimeError("the run's own failure")
     assert made.is_dir()
+
+
+def test_a_new_out_dir_goes_after_a_signal_before_the_lock_is_taken_and_a_winners_lock_stays(tmp_path, monkeypatch):
+    """Ctrl-C while start-up cleaned the new folder left it holding run.lock; of two runs started into one new
+    folder at once, the one refused deleted the other's run.lock (a third could then take the folder too)."""
+    def interrupted(out_dir):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(checkpoint, "remove_stale_temporaries", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with checkpoint.locked_out_dir(tmp_path / "out", world.World()):
+            pass
+    assert not (tmp_path / "out").exists()
+    monkeypatch.undo()
+    held, real_open = [], os.open
+
+    def other_run_first(path, *args):  # the other run opens and locks run.lock between our check and our open
+        if str(path).endswith("run.lock") and not held:
+            held.append(real_open(path, os.O_RDWR | os.O_CREAT, 0o644))
+            fcntl.flock(held[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return real_open(path, *args)
+    monkeypatch.setattr(checkpoint.os, "open", other_run_first)
+    with pytest.raises(errors.ConfigError, match="is in use by another run"):
+        with checkpoint.locked_out_dir(tmp_path / "new", world.World()):
+            pass
+    assert (tmp_path / "new" / "run.lock").exists()
+    os.close(held[0])
 
 
 def test_wandb_that_cannot_start_is_one_line(char_data, tmp_path, script, monkeypatch):
