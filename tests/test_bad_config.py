@@ -905,6 +905,11 @@ def test_a_new_out_dir_deleted_under_a_failing_run_leaves_its_own_error(tmp_path
             assert json.loads((made / "run.lock").read_text())["pid"] == os.getpid()  # (not a longer note's tail)
             raise RuntimeError("the run's own failure")
     assert made.is_dir()
+    with pytest.raises(RuntimeError, match="the run's own failure"):  # a run that wrote files: they stay, and the lock
+        with checkpoint.locked_out_dir(tmp_path / "wrote", world.World()):  # (by which prepare.py refuses the folder)
+            (tmp_path / "wrote" / "config.json").write_text("{}")
+            raise RuntimeError("the run's own failure")
+    assert sorted(os.listdir(tmp_path / "wrote")) == ["config.json", "run.lock"]
 
 
 def test_a_new_out_dir_goes_after_a_signal_before_the_lock_is_taken_and_a_winners_lock_stays(tmp_path, monkeypatch):

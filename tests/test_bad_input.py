@@ -89,6 +89,8 @@ def test_a_divergence_names_float16_overflow_only_under_float16():
     run = SimpleNamespace(cfg=Config(learning_rate=1e-3, weight_decay=0.1), world=SimpleNamespace(dtype=torch.float16))
     said = str(Diverged("the training loss is nan at step 3", run, None))
     assert "float16 overflow (try --dtype=bfloat16), or bad data" in said and "weight decay" not in said
+    run = SimpleNamespace(cfg=Config(learning_rate=10.0, weight_decay=0.1), world=SimpleNamespace(dtype=torch.float32))
+    assert "(learning_rate x weight_decay = 1: keep it below 1)" in str(Diverged("nan", run, None))  # (each step: 0)
 
 
 def test_a_run_started_with_stdout_closed_trains(char_data, tmp_path, monkeypatch):
@@ -307,6 +309,7 @@ SCALER = dict(scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_inter
     ({"scaler": {"scale": "x"}}, "the scaler's state {'scale': 'x'} is not one"),  # float16: once a traceback
     ({"scaler": {**SCALER, "scale": 0.0}}, "the scaler's state"),  # a float16 run would stall: no step is taken
     ({"scaler": {**SCALER, "growth_interval": -1}}, "the scaler's state"),
+    ({"scaler": {**SCALER, "growth_interval": 0}}, "the scaler's state"),  # the scale would never grow again
     ({"scaler": {**SCALER, "scale": float("inf")}}, "the scaler's state"),  # every step skipped, exit 0
     ({"scaler": {**SCALER, "growth_interval": 2000.5}}, "the scaler's state"),  # a traceback in its update
     ({"scaler": {**SCALER, "backoff_factor": 0.0}}, "the scaler's state"),

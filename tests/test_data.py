@@ -544,10 +544,13 @@ def test_a_dataset_is_trained_with_prepare_input_only_if_made_from_that_text(tmp
         with pytest.raises(ConfigError, match=f"made from {text}, not from prepare_input {other}: leave --prepare_in"):
             given(other)
     text.write_text(text.read_text() + "one line more\n")
-    with pytest.raises(ConfigError, match=f"made from {text} before it changed: leave --prepare_input out to train"):
-        given(text)
+    monkeypatch.chdir(tmp_path)  # and by a relative path, as it was named then or not (its meta.json: absolute)
+    for named in (text, "input_text.txt"):
+        with pytest.raises(ConfigError, match=f"made from {named} before it changed: leave --prepare_input out to tr"):
+            given(named)
     text.unlink()
     given(text)
+    given("input_text.txt")
     monkeypatch.chdir(tmp_path)
     os.mkfifo("fifo")  # a preparation from ./fifo records it as fifo; it is never opened here (that would wait)
     assert other_source({"source": {"path": "fifo"}}, "./fifo") is None
