@@ -76,8 +76,9 @@ def differs_from_rank0(settings: dict, world, per_host: tuple = (), what: str = 
 
 
 def on_rank0(read, world, rank0_only: tuple = ()):
-    """read() on rank 0 only; its result (plain values) or its ConfigError (UnreadableCheckpoint
-    stays one), or its PermissionError of a file, on every rank. Keys of a dict result named in `rank0_only` (tensors) are None on the others."""
+    """read() on rank 0 only; its result (plain values) or its ConfigError (UnreadableCheckpoint stays one), or
+    its PermissionError of a file, on every rank. Keys of a dict result named in `rank0_only` (tensors) are None
+    on the others."""
     result, error = None, None
     if world.is_master:
         try:

@@ -480,8 +480,8 @@ def test_a_last_pt_this_user_may_not_read_stops_every_rank_and_is_kept(char_data
     before = {name: (out / name).read_bytes() for name in ("last.pt", "previous.pt")}
     (out / "last.pt").chmod(0)
     try:
-        proc = subprocess.run([sys.executable, "train_spawn.py", "--nproc=2",
-                               *tiny_args(char_data, out, max_iters=8, eval_interval=2, resume="auto")], cwd=REPO, env=child_env(),
+        args = tiny_args(char_data, out, max_iters=8, eval_interval=2, resume="auto")
+        proc = subprocess.run([sys.executable, "train_spawn.py", "--nproc=2", *args], cwd=REPO, env=child_env(),
                               capture_output=True, text=True, timeout=300, preexec_fn=obeying_file_modes)
     finally:
         (out / "last.pt").chmod(0o644)
