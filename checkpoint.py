@@ -52,8 +52,7 @@ def write(state: dict, path: Path, before_rename=None):
     try:
         atomic_write(path, lambda f: torch.save(state, f), before_rename=before_rename)
     except RuntimeError as e:  # torch's zip writer reports a full disk so
-        full = disk_full(e, path.parent, tensor_bytes(state))
-        if full is None:
+        if (full := disk_full(e, path.parent, tensor_bytes(state))) is None:
             raise
         raise OSError(errno.EFBIG if full.startswith("File too large") else errno.ENOSPC, full) from None
 
@@ -95,8 +94,7 @@ def locked_out_dir(out_dir, world, data_dir=None):
                     os.write(fd, lock_note())
                     for path in remove_stale_temporaries(out_dir):
                         print(f"removed {path}, left by a run that was killed while writing", flush=True)
-                    with tempfile.TemporaryFile(dir=out_dir):
-                        pass
+                    tempfile.TemporaryFile(dir=out_dir).close()  # (a probe: out_dir takes a new file)
             except OSError as e:
                 error = str(OutDirUnwritable(out_dir, e))
             except ConfigError as e:
@@ -299,10 +297,10 @@ def lineage(out_dir: Path, last: Path, resumed_from, saved: tuple, resume: str) 
     (or older than the other format's) must not become previous; a readable one a rollback replaces does.
     fresh: the first save of a run that did not continue one of out_dir's (started afresh, or elsewhere)."""
     if resumed_from is None:  # started afresh: an earlier run's last becomes previous if it reads
-        return saved is not None or resume_step([last]) >= 0, saved is None
+        return saved is not None or resume_step([last], denied=0) >= 0, saved is None
     resumed = Path(resumed_from)
     elsewhere = not same_path(resumed.parent, out_dir)
-    rotate = same_path(resumed, last) or elsewhere or saved[2] or resume != "auto" and resume_step([last]) >= 0
+    rotate = same_path(resumed, last) or elsewhere or saved[2] or resume != "auto" and resume_step([last], 0) >= 0
     return rotate, not saved[2] and elsewhere
 
 
@@ -325,12 +323,17 @@ def resume(cfg: Config, model_args: dict, world, restore, meta: dict = None):
                                    f"or --resume=never{' --init_from=scratch' * (cfg.init_from == 'resume')}") from None
 
 
-def resume_step(paths: list) -> int:
-    """The step a resume takes: the first of `paths` that reads (a rollback's previous has a later one), or -1."""
+def resume_step(paths: list, denied: int = None) -> int:
+    """The step a resume takes: the first of `paths` that reads (a rollback's previous has a later one), or -1.
+    One this user may not read (no damage: kept, as previous if it was last) raises, or counts as step `denied`."""
     def step(path):
         try:
             ckpt = read(Path(path), tensors=False)
-        except (ConfigError, PermissionError):  # (UnreadableCheckpoint among them)
+        except PermissionError:
+            if denied is None:
+                raise
+            return denied
+        except ConfigError:  # (UnreadableCheckpoint among them)
             return -1
         return ckpt["step"] if isinstance(ckpt, dict) and type(ckpt.get("step")) is int else -1
     return next((s for s in map(step, paths) if s >= 0), -1)
@@ -340,7 +343,7 @@ def newer_than_rank0(cfg: Config, world, rank0_step: int):
     """Why this host's own out_dir holds a newer checkpoint than rank 0's, or None. (A c10d rendezvous
     may make another host's process rank 0 on a relaunch: the run started again from step 0.)"""
     own = [] if world.is_master or world.local_rank else newest([Path(cfg.out_dir, f"last.{s}") for s in ("pt", "dcp")])
-    mine, path = next(((s, p) for p in own if (s := resume_step([p])) >= 0), (-1, None))  # (the one that reads)
+    mine, path = next(((s, p) for p in own if (s := resume_step([p], -1)) >= 0), (-1, None))  # (the one that reads)
     return None if mine <= rank0_step else (
         f"{path} on {socket.gethostname()} (rank {world.rank}) is of step {mine}, but rank 0's out_dir holds "
         f"{f'step {rank0_step}' if rank0_step >= 0 else 'none'}: relaunch with that host's processes as ranks 0.. "

@@ -110,8 +110,9 @@ def parts(path: Path):
                          for m in metadata.state_dict_metadata.values())
         if not tensors_ok or not all(isinstance(name, str) and Path(name).name == name for name in ends):
             raise ValueError("a tensor's entry is not a size, a dtype, the chunks of it and a file in the folder")
-    except Exception as e:
-        raise unreadable(f"its metadata is damaged ({type(e).__name__}: {first_line(e)})") from None
+    except Exception as e:  # (a mode or an owner is no damage: errors.reported says so)
+        raise e if isinstance(e, PermissionError) else unreadable(f"its metadata is damaged ({type(e).__name__}: "
+                                                                  f"{first_line(e)})") from None
     for name, end in sorted(ends.items()):
         size = None
         with suppress(OSError):  # (gone since: a run's save replaced the folder)
@@ -132,8 +133,8 @@ def load(path: Path, state: dict, world=None):
         dcp.load(state, storage_reader=_reader(path), process_group=None if alone else world.group, no_dist=alone)
     except (Exception, dcp.api.CheckpointException) as e:  # the latter is a BaseException
         failures = [exc for exc, _ in getattr(e, "failures", {}).values()] or [e]  # (each rank's, DCP's)
-        if stop := next((x for x in failures if isinstance(x, (KeyboardInterrupt, SystemExit))), None):
-            raise stop from None  # Ctrl-C or a SIGTERM's unwinding (errors.signals_unwind), which DCP packed
+        if stop := next((x for x in failures if isinstance(x, (KeyboardInterrupt, SystemExit, PermissionError))), None):
+            raise stop from None  # Ctrl-C, a SIGTERM's unwinding (errors.signals_unwind), a mode: DCP packed them
         if not alone and (lost := next((x for x in failures if isinstance(x, RuntimeError) and lost_peer(x)), None)):
             raise lost from None  # not the checkpoint's fault: CollectiveFailed (exit 1, relaunch)
         raise UnreadableCheckpoint(f"cannot read checkpoint {path}: {_reason(e)}") from None
@@ -325,10 +326,9 @@ def check_shared(folder: Path, world, what: str):
         if isinstance(shared, str):
             raise ConfigError(shared)
         name, expected, where = shared
-        try:
+        seen = False
+        with suppress(OSError):
             seen = digest(folder / name) == expected
-        except OSError:
-            seen = False
         fix = (f"make it a file that rank 0 alone reads, on rank 0's host: python scripts/convert_checkpoint.py "
                f"{where} {Path(where).parent}/converted.pt, then pass --resume= that file" if folder.suffix == ".dcp"
                else "use --checkpoint_format=file, which needs none")

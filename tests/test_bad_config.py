@@ -704,6 +704,18 @@ def test_a_hosts_newer_checkpoint_is_named_by_the_file_that_holds_its_step(tmp_p
                            f"out_dir holds step 3: "), said
 
 
+def test_the_step_of_a_checkpoint_this_user_may_not_read_is_not_guessed(tmp_path, monkeypatch):
+    """Rank 0's unreadable last.pt once counted as none: another host's older one was called newer, and the hint
+    (copy its out_dir over) would have replaced it. Rank 0 raises (on_rank0 tells every rank); a save rotates it."""
+    def denied(path, tensors=True):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(checkpoint, "read", denied)
+    with pytest.raises(PermissionError):
+        checkpoint.resume_step([tmp_path / "last.pt"])
+    assert checkpoint.resume_step([tmp_path / "last.pt"], denied=0) == 0  # lineage: kept as previous.pt
+    assert checkpoint.lineage(tmp_path, tmp_path / "last.pt", None, None, "never") == (True, True)
+
+
 def test_a_prepare_at_start_up_that_fails_is_one_line_naming_the_dataset(tmp_path, monkeypatch, capsys):
     """One process (the test below: two ranks, the other told to see this one's message)."""
     latin1, fresh = write_bytes(tmp_path / "latin1.txt", LATIN1), tmp_path / "fresh"

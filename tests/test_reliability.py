@@ -472,23 +472,34 @@ def test_a_folder_this_user_may_not_enter_is_one_line(entry, args, char_data, tm
 
 
 @pytest.mark.slow
-def test_a_last_pt_this_user_may_not_read_stops_every_rank_and_is_kept(char_data, tmp_path):
-    """It was read as damaged: the run fell back to previous.pt and its next save replaced the good last.pt."""
+@pytest.mark.parametrize("fmt, locked", [("file", "last.pt"), ("sharded", "last.dcp/run.json")])
+def test_a_last_checkpoint_this_user_may_not_read_stops_every_rank_and_is_kept(char_data, tmp_path, fmt, locked):
+    """It was read as damaged: the run fell back to previous and its next save replaced the good last. Started
+    afresh (resume=never), the first save replaced it too, where a readable last becomes previous."""
     from harness import train_here
     out = tmp_path / "out"
-    train_here(char_data, out, max_iters=4, eval_interval=2)
-    before = {name: (out / name).read_bytes() for name in ("last.pt", "previous.pt")}
-    (out / "last.pt").chmod(0)
+    train_here(char_data, out, max_iters=4, eval_interval=2, checkpoint_format=fmt)
+    kept = [locked, locked.replace("last", "previous")]
+    before = {name: (out / name).read_bytes() for name in kept}
+    (out / locked).chmod(0)
     try:
-        args = tiny_args(char_data, out, max_iters=8, eval_interval=2, resume="auto")
+        args = tiny_args(char_data, out, max_iters=8, eval_interval=2, resume="auto", checkpoint_format=fmt)
         proc = subprocess.run([sys.executable, "train_spawn.py", "--nproc=2", *args], cwd=REPO, env=child_env(),
                               capture_output=True, text=True, timeout=300, preexec_fn=obeying_file_modes)
+        afresh = subprocess.run([sys.executable, "train.py", *tiny_args(char_data, out, max_iters=2, eval_interval=2)],
+                                cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300,
+                                preexec_fn=obeying_file_modes) if fmt == "file" else None  # (resume=never)
     finally:
-        (out / "last.pt").chmod(0o644)
-    assert (proc.returncode, proc.stderr) == (2, f"error: permission denied: {out / 'last.pt'}: this user may not use "
+        for path in out.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    assert (proc.returncode, proc.stderr) == (2, f"error: permission denied: {out / locked}: this user may not use "
                                                  f"it (check the mode and owner of it and its folders), or choose "
                                                  f"another path\n"), proc.stderr
-    assert {name: (out / name).read_bytes() for name in before} == before
+    if afresh is None:
+        assert {name: (out / name).read_bytes() for name in kept} == before
+    else:  # the locked last.pt is now previous.pt, as a readable one would be
+        assert afresh.returncode == 0, afresh.stderr
+        assert (out / "previous.pt").read_bytes() == before["last.pt"]
 
 
 def _rank0_denied(rank, world):
