@@ -179,7 +179,7 @@ def _read(path: Path, tensors: bool) -> dict:
                 name, stat = key.removeprefix("optimizer.").rsplit(".", 1)
                 optim.setdefault(name, {})[stat] = value
         optimizer = parallel.by_position({"state": optim, "param_groups": json_groups(state.pop("param_groups"))})
-    except UnreadableCheckpoint:
+    except (UnreadableCheckpoint, PermissionError):
         raise
     except Exception as e:  # e.g. param_groups that are not lists, a size no memory holds
         raise UnreadableCheckpoint(f"cannot read checkpoint {path}: its run.json or .metadata is not a checkpoint "

@@ -472,7 +472,8 @@ def test_a_folder_this_user_may_not_enter_is_one_line(entry, args, char_data, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt, locked", [("file", "last.pt"), ("sharded", "last.dcp/run.json")])
+@pytest.mark.parametrize("fmt, locked", [("file", "last.pt"), ("sharded", "last.dcp/run.json"),
+                                         ("sharded", "last.dcp/__0_0.distcp")])  # (a part: read in the ranks' load)
 def test_a_last_checkpoint_this_user_may_not_read_stops_every_rank_and_is_kept(char_data, tmp_path, fmt, locked):
     """It was read as damaged: the run fell back to previous and its next save replaced the good last. Started
     afresh (resume=never), the first save replaced it too, where a readable last becomes previous."""
@@ -486,6 +487,9 @@ def test_a_last_checkpoint_this_user_may_not_read_stops_every_rank_and_is_kept(c
         args = tiny_args(char_data, out, max_iters=8, eval_interval=2, resume="auto", checkpoint_format=fmt)
         proc = subprocess.run([sys.executable, "train_spawn.py", "--nproc=2", *args], cwd=REPO, env=child_env(),
                               capture_output=True, text=True, timeout=300, preexec_fn=obeying_file_modes)
+        sampled = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", "--checkpoint=last"], cwd=REPO,
+                                 env=child_env(), capture_output=True, text=True, timeout=300,
+                                 preexec_fn=obeying_file_modes)  # (was "damaged", and sampled previous)
         afresh = subprocess.run([sys.executable, "train.py", *tiny_args(char_data, out, max_iters=2, eval_interval=2)],
                                 cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300,
                                 preexec_fn=obeying_file_modes) if fmt == "file" else None  # (resume=never)
@@ -495,6 +499,7 @@ def test_a_last_checkpoint_this_user_may_not_read_stops_every_rank_and_is_kept(c
     assert (proc.returncode, proc.stderr) == (2, f"error: permission denied: {out / locked}: this user may not use "
                                                  f"it (check the mode and owner of it and its folders), or choose "
                                                  f"another path\n"), proc.stderr
+    assert sampled.returncode == 2 and sampled.stderr == proc.stderr, sampled.stderr
     if afresh is None:
         assert {name: (out / name).read_bytes() for name in kept} == before
     else:  # the locked last.pt is now previous.pt, as a readable one would be
