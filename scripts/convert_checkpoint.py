@@ -32,7 +32,9 @@ def main(argv=None):
                                            "vocabulary, seed or global_batch_size)")
     args = p.parse_args(argv)
     if args.source.suffix != ".dcp" or not args.source.is_dir():
-        raise ConfigError(f"{args.source} is not a sharded checkpoint folder (NAME.dcp) train.py wrote")
+        gone = args.source.suffix == ".dcp" and not args.source.exists() and not args.source.is_symlink()
+        raise ConfigError(f"{args.source} " + ("does not exist" if gone else
+                                               "is not a sharded checkpoint folder (NAME.dcp) train.py wrote"))
     if args.dest.suffix != ".pt":
         raise ConfigError(f"{args.dest}: name the file NAME.pt, as train.py and resume= expect")
     if enclosing(args.dest, ".dcp"):  # (a save replaces that folder)

@@ -261,6 +261,8 @@ def test_the_converter_checks_a_folder_before_writing(sharded, tmp_path, script,
         ran = script("scripts/convert_checkpoint.py", source, tmp_path / "x.pt")
         assert ran.returncode == 2 and ran.stderr == (f"error: {source} is not a sharded checkpoint folder (NAME.dcp) "
                                                       f"train.py wrote\n"), ran.stderr
+    ran = script("scripts/convert_checkpoint.py", out / "gone.dcp", tmp_path / "x.pt")  # (was "is not a ... folder")
+    assert ran.returncode == 2 and ran.stderr == f"error: {out / 'gone.dcp'} does not exist\n", ran.stderr
     ran = script("scripts/convert_checkpoint.py", out / "last.dcp", tmp_path / "x.bin")  # resume= would not take it
     assert ran.returncode == 2 and ran.stderr == (f"error: {tmp_path / 'x.bin'}: name the file NAME.pt, as train.py "
                                                   f"and resume= expect\n"), ran.stderr
