@@ -454,12 +454,15 @@ def obeying_file_modes():
 @pytest.mark.parametrize("entry, args", [("train.py", ["--out_dir={locked}/out"]), ("train.py", ["--data_dir={locked}/data"]),
                                          ("train.py", ["--resume={locked}/last.pt"]),  # (was "does not exist")
                                          ("sample.py", ["--out_dir={locked}/run"]),
-                                         ("scripts/export_hf.py", ["--out_dir={locked}/run", "--to={locked}/../hf"])])
+                                         ("scripts/export_hf.py", ["--out_dir={locked}/run", "--to={locked}/../hf"]),
+                                         ("scripts/plot_runs.py", ["{tmp}", "--out={locked}/runs.png"])])
 def test_a_folder_this_user_may_not_enter_is_one_line(entry, args, char_data, tmp_path):
     """Another user's folder on a shared cluster: each ended in a traceback (PermissionError)."""
     locked = tmp_path / "locked"
     locked.mkdir()
-    args = (tiny_args(char_data, tmp_path / "out") if entry == "train.py" else []) + [a.format(locked=locked) for a in args]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')  # (a run for plot_runs.py)
+    args = (tiny_args(char_data, tmp_path / "out") if entry == "train.py" else []) + [
+        a.format(locked=locked, tmp=tmp_path) for a in args]
     locked.chmod(0)
     try:
         proc = subprocess.run([sys.executable, entry, *args], cwd=REPO, env=child_env(), capture_output=True, text=True,
