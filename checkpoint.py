@@ -297,7 +297,7 @@ def lineage(out_dir: Path, last: Path, resumed_from, saved: tuple, resume: str) 
     (or older than the other format's) must not become previous; a readable one a rollback replaces does.
     fresh: the first save of a run that did not continue one of out_dir's (started afresh, or elsewhere)."""
     if resumed_from is None:  # started afresh: an earlier run's last becomes previous if it reads
-        return saved is not None or resume_step([last], denied=0) >= 0, saved is None
+        return saved is not None or resume_step([last], 0) >= 0, saved is None
     resumed = Path(resumed_from)
     elsewhere = not same_path(resumed.parent, out_dir)
     rotate = same_path(resumed, last) or elsewhere or saved[2] or resume != "auto" and resume_step([last], 0) >= 0

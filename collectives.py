@@ -86,7 +86,7 @@ def on_rank0(read, world, rank0_only: tuple = ()):
         except ConfigError as e:
             error = [str(e), isinstance(e, UnreadableCheckpoint)]
         except PermissionError as e:  # a file's mode or owner: on every rank, for errors.reported to word
-            error = [e.filename, None] if e.filename is not None else [str(e), False]
+            error = [str(e.filename), None] if e.filename is not None else [str(e), False]
     shared = {k: None if k in rank0_only else v for k, v in result.items()} if isinstance(result, dict) else result
     shared, error = broadcast_json([shared, error], world)
     if error and error[1] is None:

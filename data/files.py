@@ -66,8 +66,11 @@ def write_temp(path: Path, write) -> Path:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        with suppress(OSError):  # (in a folder one may not enter, the unlink fails as the open did)
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, PermissionError) and str(e.filename) == str(tmp):  # (the folder's mode): the file asked for
+            raise PermissionError(e.errno, e.strerror, str(path)) from None
         raise
     return tmp
 

@@ -129,8 +129,8 @@ def main(argv=None):
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         plot(runs, out)
-    except PermissionError:  # (of a temporary file beside it, or a folder above it): errors.reported's line
-        raise PermissionError(13, "Permission denied", str(out)) from None
+    except PermissionError:  # errors.reported's line, as every tool's
+        raise
     except OSError as e:
         raise ConfigError(f"cannot write {out}: {write_failure(e)}") from None
     print(f"{len(runs)} run{'s' if len(runs) > 1 else ''} -> {out}")

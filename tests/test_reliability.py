@@ -472,6 +472,7 @@ def test_a_folder_this_user_may_not_enter_is_one_line(entry, args, char_data, tm
     assert proc.returncode == 2 and re.fullmatch(
         f"error: permission denied: {re.escape(str(locked))}/\\S+: this user may not use it \\(check the mode and "
         f"owner of it and its folders\\), or choose another path\n", proc.stderr), proc.stderr
+    assert entry != "scripts/plot_runs.py" or f"{locked}/runs.png:" in proc.stderr  # (not its temporary's name)
 
 
 @pytest.mark.slow
