@@ -494,9 +494,11 @@ def test_a_last_checkpoint_this_user_may_not_read_stops_every_rank_and_is_kept(c
         sampled = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", "--checkpoint=last"], cwd=REPO,
                                  env=child_env(), capture_output=True, text=True, timeout=300,
                                  preexec_fn=obeying_file_modes)  # (was "damaged", and sampled previous)
-        afresh = subprocess.run([sys.executable, "train.py", *tiny_args(char_data, out, max_iters=2, eval_interval=2)],
+        failed = {name: (out / name).read_bytes() for name in kept}  # (root reads them all)
+        afresh = subprocess.run([sys.executable, "train.py", *tiny_args(char_data, out, max_iters=2, eval_interval=2,
+                                                                         checkpoint_format=fmt)],
                                 cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300,
-                                preexec_fn=obeying_file_modes) if fmt == "file" else None  # (resume=never)
+                                preexec_fn=obeying_file_modes)  # (resume=never)
     finally:
         for path in out.rglob("*"):
             path.chmod(0o755 if path.is_dir() else 0o644)
@@ -504,11 +506,10 @@ def test_a_last_checkpoint_this_user_may_not_read_stops_every_rank_and_is_kept(c
                                                  f"it (check the mode and owner of it and its folders), or choose "
                                                  f"another path\n"), proc.stderr
     assert sampled.returncode == 2 and sampled.stderr == proc.stderr, sampled.stderr
-    if afresh is None:
-        assert {name: (out / name).read_bytes() for name in kept} == before
-    else:  # the locked last.pt is now previous.pt, as a readable one would be
-        assert afresh.returncode == 0, afresh.stderr
-        assert (out / "previous.pt").read_bytes() == before["last.pt"]
+    assert failed == before
+    # started afresh: the locked last is now previous, as a readable one would be
+    assert afresh.returncode == 0, afresh.stderr
+    assert (out / kept[1]).read_bytes() == before[locked]
 
 
 def _rank0_denied(rank, world):
