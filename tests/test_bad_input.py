@@ -443,10 +443,45 @@ def test_a_kill_while_best_is_written_leaves_last_one_save_behind(trained_copy, 
             raise OSError(errno.EXDEV, "Invalid cross-device link")
         replace(src, dst)
     monkeypatch.setattr(os, "replace", overlayfs)
+    monkeypatch.setattr(sharded, "exchange", lambda a, b: False)  # (overlayfs swaps no such folder either)
     monkeypatch.setattr(sharded, "link_or_copy", link_or_copy)
     sharded._commit(out, best=False, rotate=True)
     assert [json.loads((out / f"{name}.dcp" / "run.json").read_text()) for name in ("last", "previous")] == [
         {"step": 12}, {"step": 10}] and not list(out.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["renameat2", "two renames"])
+def test_a_sharded_commit_leaves_a_live_runs_readers_a_last_dcp(tmp_path, monkeypatch, swap):
+    """sample.py or the converter reading a live run's last.dcp found none between a save's two renames ("train
+    first"), or while the folders it replaced were deleted. Where the system swaps two folders in one step, there is
+    no such moment; elsewhere two renames commit, and the deletes wait until last.dcp is back."""
+    import sharded
+    from data.files import exchange
+    (tmp_path / "a").mkdir()
+    if swap and not exchange(tmp_path / "a", tmp_path / "a"):
+        pytest.skip("this system or file system has no renameat2 with RENAME_EXCHANGE")
+    assert not exchange(tmp_path / "a", tmp_path / "b") and (tmp_path / "a").is_dir()  # (nothing to swap with)
+    for folder, step in (("previous.dcp", 9), ("last.dcp", 10), (sharded.TMP, 11)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "run.json").write_text(json.dumps({"step": step}))
+    seen, deleted, remove = [], [], sharded.remove
+
+    def watched(call):
+        def each(*args):
+            seen.append((tmp_path / "last.dcp").is_dir())
+            result = call(*args)
+            seen.append((tmp_path / "last.dcp").is_dir())
+            return result
+        return each
+    monkeypatch.setattr(sharded, "exchange", watched(exchange if swap else lambda a, b: False))
+    monkeypatch.setattr(sharded, "_rename", watched(sharded._rename))
+    monkeypatch.setattr(sharded, "remove", lambda path: (path.exists() and deleted.append(
+        (json.loads((path / "run.json").read_text())["step"], (tmp_path / "last.dcp").is_dir()))) or remove(path))
+    sharded._commit(tmp_path, best=True, rotate=True)
+    assert [json.loads((tmp_path / f"{name}.dcp" / "run.json").read_text())["step"]
+            for name in ("last", "previous", "best")] == [11, 10, 11] and not list(tmp_path.glob(".*"))
+    assert seen and all(seen) == swap, seen
+    assert deleted == [(9, True)], deleted  # the old previous.dcp, once last.dcp is back
 
 
 @pytest.mark.slow  # mount and umount are processes

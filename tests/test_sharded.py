@@ -311,21 +311,6 @@ def test_the_converter_checks_a_folder_before_writing(sharded, tmp_path, script,
     assert not (tmp_path / "x.pt").exists()
 
 
-def test_last_dcp_is_there_while_a_save_deletes_the_folders_it_replaced(char_data, tmp_path, monkeypatch):
-    """A reader of a live run (sample.py, the converter) found no last.dcp while the old previous.dcp was deleted:
-    "no last.pt or last.dcp", or best.dcp taken for --checkpoint=last."""
-    import sharded as sharded_py
-    seen, remove = [], sharded_py.remove
-
-    def watched(path):
-        if path.name.endswith(".old.tmp") and path.exists():
-            seen.append((path.name, (tmp_path / "last.dcp").is_dir()))
-        return remove(path)
-    monkeypatch.setattr(sharded_py, "remove", watched)
-    train_here(char_data, tmp_path, max_iters=6, eval_interval=2, checkpoint_format="sharded")
-    assert (".previous.dcp.old.tmp", True) in seen and all(there for _, there in seen), seen
-
-
 def test_the_converter_does_not_replace_a_newer_checkpoint(sharded, tmp_path, script):
     """(convert out/last.dcp out/last.pt after a switch to the file format lost the newer last.pt)"""
     assert script("scripts/convert_checkpoint.py", sharded / "last.dcp", tmp_path / "x.pt").returncode == 0  # step 12
