@@ -1,8 +1,6 @@
-"""The sharded format: a torch.distributed.checkpoint (DCP) folder, NAME.dcp, into which every rank
-writes its own shards (storage every rank sees), plus run.json, the plain values. A save goes to
-.last.dcp.tmp and is committed by renames. DCP's .metadata is a pickle: it is read here by an
-unpickler that builds only DCP's metadata classes, so a crafted file cannot run code.
-"""
+"""The sharded format: a torch.distributed.checkpoint (DCP) folder, NAME.dcp, into which every rank writes its own
+shards (storage every rank sees), plus run.json, the plain values. A save goes to .last.dcp.tmp, then takes last.dcp's
+place. DCP's .metadata is a pickle: an unpickler that builds only DCP's metadata classes reads it (no code runs)."""
 
 import errno
 import hashlib
@@ -244,6 +242,7 @@ class Background:
 
     def __init__(self, future, out_dir: Path, commit, step: int, need: int):
         self.step, self.error, self.finished = step, None, threading.Event()
+
         def done(f):
             try:
                 f.result()
@@ -311,6 +310,7 @@ def check_shared(folder: Path, world, what: str):
     if world.size == 1:
         return
     probe, error = None, None
+
     def digest(p):
         sizes = [[q.name, q.stat().st_size] for q in sorted(p.parent.iterdir())] if p.name == "run.json" else []
         return [hashlib.sha256(p.read_bytes()).hexdigest(), sizes]
