@@ -282,13 +282,12 @@ class BadTokenId(ConfigError):
 class GroupNotFormed(RunError):
     def __init__(self, rank: int, world_size: int, address: str, dist_timeout: float, e: Exception):
         super().__init__(
-            f"rank {rank} on {socket.gethostname()} could not form the process group of {world_size} "
-            f"ranks at {address} within dist_timeout={dist_timeout:.10g}s ({first_line(e, 300)}). Check "
-            f"that no rank stopped before joining (an error only it saw, such as a config given to it "
-            f"alone: see its output); that every host started its ranks with the same MASTER_ADDR, "
-            f"MASTER_PORT and WORLD_SIZE; that {address} is reachable from every host (address, port, firewall); and "
-            f"that GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name the network interface that links "
-            f"the hosts.")
+            f"rank {rank} on {socket.gethostname()} could not form the process group of {world_size} ranks at "
+            f"{address} within dist_timeout={dist_timeout:.10g}s ({first_line(e, 300)}). Check that no rank stopped "
+            f"before joining (an error only it saw, such as a config given to it alone: see its output); that every "
+            f"host started its ranks with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE; that {address} is "
+            f"reachable from every host (address, port, firewall); and that GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME "
+            f"name the network interface that links the hosts.")
 
 
 class CollectiveFailed(RunError):
@@ -313,8 +312,9 @@ class Diverged(RunError):
     """`run`: train.Run; the causes named are those its settings make possible."""
     def __init__(self, what: str, run, saved):
         lr, decay = run.cfg.learning_rate, run.cfg.learning_rate * run.cfg.weight_decay
-        causes = [f"a learning rate too high (learning_rate={lr:g}: try a smaller one or a longer warmup)"]
-        if decay >= 1:  # AdamW scales the weights by 1 - lr x weight_decay each step
+        causes = [f"a learning rate too high (learning_rate={lr:g}: try a smaller one or a longer warmup)" if run.step
+                  else f"the weights it started from (init_from={run.cfg.init_from}: out of range? a damaged file?)"]
+        if decay >= 1 and run.step:  # AdamW scales the weights by 1 - lr x weight_decay each step
             causes.append(f"a weight decay too strong for it (learning_rate x weight_decay = {decay:g}: keep it "
                           f"below 1)")
         if str(run.world.dtype) == "torch.float16":  # (by name: this module imports no torch)

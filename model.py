@@ -248,6 +248,8 @@ class GPT(nn.Module):
         for _ in range(max_new_tokens):  # (the last token sampled is never run)
             logits = self(context, caches=caches, pos=pos)[0]  # (B, 1, V)
             pos += context.size(1)  # positions filled in the caches
+            if not torch.isfinite(logits[:, -1]).all():  # (argmax would pick token 0; multinomial fail)
+                raise ValueError("its logits are NaN or inf: weights out of range (a damaged file?)")
             idx_next = _sample(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
             idx = torch.cat((idx, idx_next), dim=1)
             context = idx_next

@@ -122,8 +122,11 @@ def main(argv=None):
     generator = torch.Generator(device).manual_seed(args.seed)
     for n in batches(args.num_samples, len(prompt), args.max_new_tokens, model.config, device):
         idx = torch.tensor([prompt] * n, dtype=torch.long, device=device)  # (n, T)
-        out = model.generate(idx, args.max_new_tokens, temperature=args.temperature,
-                             top_k=args.top_k or None, generator=generator)  # (n, T + new): one batch
+        try:
+            out = model.generate(idx, args.max_new_tokens, temperature=args.temperature,
+                                 top_k=args.top_k or None, generator=generator)  # (n, T + new): one batch
+        except ValueError as e:  # (its arguments were checked above: the weights)
+            raise ConfigError(f"{name}: {e}") from None
         for row in out:  # a row at a time: the whole batch as Python ints took 4x the memory the plan gives it
             print(decode(row.tolist()))
             print("---------------", flush=True)

@@ -82,15 +82,23 @@ def test_an_absurd_learning_rate_stops_the_run_with_exit_1_and_saves_nothing(cha
     assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob(".*.tmp"))
 
 
-def test_a_divergence_names_float16_overflow_only_under_float16():
+def test_a_divergence_names_only_the_causes_its_settings_allow():
+    """float16 overflow only under float16; before any step (GPT-2 weights evaluated at step 0, a bit flipped in
+    their file), the weights it started from, not the learning rate (which had not been used)."""
     from types import SimpleNamespace
 
     from errors import Diverged
-    run = SimpleNamespace(cfg=Config(learning_rate=1e-3, weight_decay=0.1), world=SimpleNamespace(dtype=torch.float16))
+    run = SimpleNamespace(cfg=Config(learning_rate=1e-3, weight_decay=0.1), world=SimpleNamespace(dtype=torch.float16),
+                          step=3)
     said = str(Diverged("the training loss is nan at step 3", run, None))
     assert "float16 overflow (try --dtype=bfloat16), or bad data" in said and "weight decay" not in said
-    run = SimpleNamespace(cfg=Config(learning_rate=10.0, weight_decay=0.1), world=SimpleNamespace(dtype=torch.float32))
+    run = SimpleNamespace(cfg=Config(learning_rate=10.0, weight_decay=0.1), world=SimpleNamespace(dtype=torch.float32),
+                          step=3)
     assert "(learning_rate x weight_decay = 1: keep it below 1)" in str(Diverged("nan", run, None))  # (each step: 0)
+    run.step, run.cfg.init_from = 0, "gpt2"
+    assert str(Diverged("the validation loss is nan at step 0", run, None)).startswith(
+        "the validation loss is nan at step 0. Likely causes: the weights it started from (init_from=gpt2: out of "
+        "range? a damaged file?), or bad data. Nothing was saved")
 
 
 def test_a_run_started_with_stdout_closed_trains(char_data, tmp_path, monkeypatch):

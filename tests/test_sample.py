@@ -175,6 +175,10 @@ def test_every_byte_that_is_not_utf8_in_argv_is_refused():
                              "model": {**c["model"], "transformer.ln_f.weight": c["model"]["transformer.ln_f.weight"]
                                        .bool()}}, out / "best.pt") or (out / "last.pt").unlink(),
      "best.pt is not a GPT checkpoint of this repo (ValueError: its weights hold NaN or inf, or no floats)"),
+    (lambda out: torch.save({**(c := torch.load(out / "last.pt", weights_only=True)),  # finite, but they overflow
+                             "model": {**c["model"], "transformer.h.0.mlp.c_fc.weight": c["model"][
+                                 "transformer.h.0.mlp.c_fc.weight"] * 1e30}}, out / "best.pt"),  # (a flipped bit)
+     "best.pt (step 10): its logits are NaN or inf: weights out of range (a damaged file?)"),  # (argmax: token 0)
     *[(lambda out, vocab=vocab: torch.save({**torch.load(out / "last.pt", weights_only=True), "vocab": vocab},
                                            out / "best.pt") or (out / "last.pt").unlink(),
        f"best.pt is not a GPT checkpoint of this repo (ValueError: its vocab {vocab!r} is not a tokenizer's name and "
