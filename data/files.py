@@ -264,12 +264,15 @@ class preparing:
 
 
 def remove_stale_temporaries(folder: Path) -> list:
-    """Delete the temporaries a killed writer left (write_temp's and link_or_copy's .NAME.ID.tmp files,
-    sharded.py's .last/.best.dcp.tmp and .NAME.old.tmp folders, check_shared's .shared.PID.tmp, export_hf's
-    .export.XXXXXXXX.tmp folders); they never replaced a real file. A user's .notes.tmp stays, and so does
-    what cannot be deleted (a read-only data_dir). Returns those deleted."""
-    ours = re.compile(r"\..+\.([0-9a-f]{12}|\d+|old)\.tmp|\.(last|best)\.dcp\.tmp|\.export\.\w{8}\.tmp")
-    stale = sorted(p for p in Path(folder).glob(".*.tmp") if ours.fullmatch(p.name))
+    """Delete the temporaries a killed writer left, by the names only this repo gives them: write_temp's
+    .NAME.HEX12.tmp files, link_or_copy's .best.pt/.previous.pt.PID.tmp, check_shared's .shared.PID.tmp, sharded.py's
+    .last/.best.dcp.tmp and .NAME.dcp.old.tmp, export_hf's .export.XXXXXXXX.tmp folders; they never replaced a real
+    file. A user's .notes.tmp, .notes.2025.tmp or hidden folder stays, and so does what cannot be deleted (a read-only
+    data_dir). Returns those deleted."""
+    files = re.compile(r"\..+\.[0-9a-f]{12}\.tmp|\.(best\.pt|previous\.pt|shared)\.\d+\.tmp")
+    folders = re.compile(r"\.(last|best|previous)\.dcp(\.old)?\.tmp|\.export\.\w{8}\.tmp")  # (or what a save moved)
+    stale = sorted(p for p in Path(folder).glob(".*.tmp") if folders.fullmatch(p.name) or
+                   files.fullmatch(p.name) and not p.is_dir())
     for path in stale:
         with suppress(OSError):
             remove(path)

@@ -459,14 +459,19 @@ def test_the_package_index_fallback_reads_the_plays_of_the_wheel_it_checked(tmp_
 
 def test_a_preparation_removes_only_the_temporaries_a_killed_one_left(tmp_path, monkeypatch):
     """Ours go (write_temp's, link_or_copy's, a sharded save's folder); a user's .notes.tmp folder and
-    .draft.tmp file stay (every .*.tmp was deleted once). A folder that cannot be locked (NFS): nothing goes."""
+    .draft.tmp file stay (every .*.tmp was deleted once), and a .NAME.DIGITS.tmp or .NAME.old.tmp of the user's, or
+    a folder named as write_temp names its files. A folder that cannot be locked (NFS): nothing goes."""
     ours = [".train.bin.0123456789ab.tmp", ".previous.pt.4242.tmp", ".last.dcp.tmp", ".last.dcp.old.tmp"]
     for name in ours:
         (tmp_path / name).mkdir() if "dcp" in name else (tmp_path / name).write_bytes(b"left by a kill")
     (tmp_path / ".notes.tmp").mkdir()
     (tmp_path / ".notes.tmp" / "keep.txt").write_text("mine")
     (tmp_path / ".draft.tmp").write_text("mine too")
-    mine = {".notes.tmp", ".draft.tmp"}
+    (tmp_path / ".notes.2025.tmp").write_text("dated")  # (each of these three went: names like ours)
+    for name in (".photos.old.tmp", ".backup.0123456789ab.tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.jpg").write_text("mine")
+    mine = {".notes.tmp", ".draft.tmp", ".notes.2025.tmp", ".photos.old.tmp", ".backup.0123456789ab.tmp"}
     with monkeypatch.context() as m:
         m.setattr(fcntl, "flock", raising(OSError(9, "Bad file descriptor")))
         preparing(tmp_path).close()
