@@ -267,6 +267,7 @@ def load_meta(data_dir, fix: str = "", splits=("train", "val")) -> dict:
         meta = read_json(path)
     except ValueError as e:  # not UTF-8, not JSON
         raise ValueError(f"{path} is not valid JSON ({e}): {again}") from None
+    again = fix or _prepare_again(data_dir, meta=meta)  # (from the local input meta names: not the default corpus)
     if not isinstance(meta, dict) or meta.get("format") != DATASET_FORMAT:
         found = f"format {meta['format']!r}" if isinstance(meta, dict) and "format" in meta else "no format"
         raise ValueError(f"{path} has {found}; this train.py reads format {DATASET_FORMAT}: {again}")

@@ -242,6 +242,10 @@ def test_load_meta_names_the_missing_dataset_and_how_to_prepare_it(tmp_path, mon
     with pytest.raises(ValueError, match=r"uint16 tokens.*prepare the dataset again \(the dataset's prepare\.py "
                                          r"--input .*text\.txt --out_dir"):
         check_token_files(tmp_path / "shakespeare", meta)
+    (tmp_path / "shakespeare" / "meta.json").write_text(json.dumps({**meta, "vocab_size": meta["vocab_size"] + 1}))
+    with pytest.raises(ValueError, match=r"but vocab_size \d+: prepare the dataset again \(the dataset's prepare\.py "
+                                         r"--input .*text\.txt --out_dir"):  # (without --input: another corpus)
+        load_meta(tmp_path / "shakespeare")
     # shards: the folder goes first (a shard prepare takes a finished one as it is) and --shard_tokens is kept (it
     # was left out: that prepare refused "other settings (shard_tokens)")
     from data.dataset import _prepare_again
