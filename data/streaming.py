@@ -17,7 +17,6 @@ import math
 import multiprocessing as mp
 import os
 import signal
-import sys
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -51,9 +50,17 @@ def shard_arguments(doc: str, repo_id: str) -> argparse.ArgumentParser:
 _encoder = None  # the worker's tiktoken Encoding, or the exception loading it raised
 
 
+STOPS = (signal.SIGINT, signal.SIGTERM)  # a terminal's Ctrl-C and a scheduler's SIGTERM reach the whole group
+
+
 def _start_worker():
+    """Each worker's start. Ctrl-C is the main process's, which stops the pool; so is a stop signal sent to the
+    whole group while the worker started, blocked then (_encode_all): each worker said a traceback, importing."""
     global _encoder
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's, which stops the pool
+    for sig in STOPS:  # (SIG_IGN discards a pending one)
+        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the pool's own terminate(), once broken, must end it)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
     if parent := mp.parent_process():  # killed (SIGKILL), it leaves no orphan waiting for work for ever
         threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
     try:
@@ -219,7 +226,11 @@ def _encode_all(docs: Iterator, workers: int, take):
     try:
         pending = []
         for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
-            pending.append(pool.map(_encode, block, chunksize=16))
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # workers start now: they inherit the mask
+            try:  # (a signal meanwhile waits the few milliseconds until it is unblocked)
+                pending.append(pool.map(_encode, block, chunksize=16))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             if len(pending) == 2:
                 take(pending.pop(0))
         for result in pending:
@@ -228,7 +239,8 @@ def _encode_all(docs: Iterator, workers: int, take):
         raise RunError("a tokenizing process was killed (the out-of-memory killer?): run the same command "
                        "again, which goes on from the last shard written (fewer --workers use less memory)") from None
     finally:
-        pool.shutdown(wait=not sys.exc_info()[0], cancel_futures=True)  # on an error: no chunk more starts
+        # on an error no chunk more starts; and the workers still starting get to read what the pool sent them
+        pool.shutdown(wait=True, cancel_futures=True)  # (else each says a traceback, once this process has gone)
 
 
 def _finish(source: Source, out_dir: Path, streams: dict, counts: list, settings: dict, shard_tokens: int,

@@ -27,9 +27,9 @@ from data import streaming
 from data.dataset import Shard, meta_from_shards, other_source, read_shard_header, write_shard
 from data.documents import local_source
 from data.tokenizers import gpt2_encoding
-from errors import ConfigError
+from errors import ConfigError, interrupted
 from harness import (REPO, assert_close_runs, children, ckpt, make_char_dataset, raising, read_epochs, record_epochs,
-                     shard_dataset, small_disk, tiny_args, train_log, train_run)
+                     shard_dataset, small_disk, tiny_args, train_log, train_run, wait_for)
 from loader import Dataset, ShardedTokenLoader, Tokens
 
 WORDS = ("the king queen fool lord speaks laughs sleeps at night in the hall for love again softly "
@@ -140,14 +140,20 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
     assert prepare("fineweb", *args, f"--out_dir={tmp_path / 'straight'}").returncode == 0
     straight = {p.name: p.read_bytes() for p in (tmp_path / "straight").iterdir()}
     for sig, workers, whom in ((signal.SIGKILL, 1, "prepare"), (signal.SIGTERM, 2, "prepare"),
-                               (signal.SIGKILL, 2, "worker")):
+                               (signal.SIGKILL, 2, "worker"), (signal.SIGINT, 2, "group"),
+                               (signal.SIGINT, 2, "group starting"), (signal.SIGTERM, 2, "group starting")):
         out = tmp_path / f"{sig.name}-{whom}"
         proc = subprocess.Popen([sys.executable, "data/fineweb/prepare.py", *args, f"--workers={workers}",
                                  f"--out_dir={out}"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)
-        wait_for_shards(proc, out, "stream", 5)
+                                text=True, start_new_session=whom.startswith("group"))
+        if whom == "group starting":  # the workers still importing (each said a KeyboardInterrupt's traceback)
+            wait_for(lambda: children(proc.pid, "spawn_main"), proc, what="a tokenizing process")
+        else:
+            wait_for_shards(proc, out, "stream", 5)
         if whom == "worker":  # a tokenizing process (the out-of-memory killer's choice): once a hang
             os.kill(children(proc.pid, "spawn_main")[0], sig)
+        elif whom.startswith("group"):  # as a terminal's Ctrl-C (or `timeout`) reaches every process
+            os.killpg(proc.pid, sig)
         else:
             proc.send_signal(sig)
         err = proc.communicate(timeout=60)[1]
@@ -156,11 +162,11 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
             assert proc.returncode == 1 and err == (
                 "error: a tokenizing process was killed (the out-of-memory killer?): run the same command again, "
                 "which goes on from the last shard written (fewer --workers use less memory)\n"), err
-        if sig == signal.SIGTERM:  # (a scheduler's, `timeout`'s): as Ctrl-C, not worker tracebacks, leaked semaphores
-            assert proc.returncode == 143 and err == "error: interrupted (SIGTERM)\n", err
+        if sig != signal.SIGKILL:  # (a scheduler's, `timeout`'s): as Ctrl-C, not worker tracebacks, leaked semaphores
+            assert (proc.returncode, err) == (128 + sig, f"error: {interrupted(sig)}\n"), err
             assert [p.name for p in out.iterdir() if ".tmp" in p.name] == []
         resumed = prepare("fineweb", *args, f"--out_dir={out}")
-        assert resumed.returncode == 0 and "resuming: " in resumed.stdout, resumed.stderr
+        assert resumed.returncode == 0 and ("resuming: " in resumed.stdout or whom == "group starting"), resumed.stderr
         assert {p.name: p.read_bytes() for p in out.iterdir()} == straight  # no temporaries, no progress file
     # openwebtext's val stream writes no shard before the end: a resume starts at its first document, not
     # at the train stream's resume point (the val documents before it were lost to the val split)
