@@ -1,9 +1,9 @@
 """Large corpora as token shards, in bounded memory and resumably.
 
-Documents stream from local files or the Hugging Face hub (data/documents.py). Worker processes encode
-them with GPT-2's BPE (tiktoken's encode_ordinary), each document prefixed by the end-of-text
-token 50256 as llm.c does, and the tokens are cut into shards of `shard_tokens` in llm.c's
-format (data/dataset.py). A document may continue from one shard into the next.
+Documents stream from local files or the Hugging Face hub (data/documents.py). Worker processes
+(data/workers.py) encode them with GPT-2's BPE (tiktoken's encode_ordinary), each document prefixed by
+the end-of-text token 50256 as llm.c does, and the tokens are cut into shards of `shard_tokens` in
+llm.c's format (data/dataset.py). A document may continue from one shard into the next.
 
 Memory: one shard buffer per stream and a few chunks of documents in flight (a .txt file: read whole).
 Interruption: a shard is written under a temporary name and renamed when complete, and .progress.json
@@ -16,11 +16,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import signal
-import threading
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -28,11 +23,11 @@ import numpy as np
 from tqdm import tqdm
 
 from data.documents import Source, read_documents
-from data.dataset import DATASET_FORMAT, GPT2_EOT, GPT2_META, PROGRESS, has_shards, load_meta, write_shard
+from data.dataset import DATASET_FORMAT, GPT2_META, PROGRESS, has_shards, load_meta, write_shard
 from data.corpora import prepare_parser
 from data.files import atomic_write_bytes, preparing, read_json
 from data.tokenizers import gpt2_encoding
-from errors import RunError
+from data.workers import encode_all
 
 
 def shard_arguments(doc: str, repo_id: str) -> argparse.ArgumentParser:
@@ -43,37 +38,6 @@ def shard_arguments(doc: str, repo_id: str) -> argparse.ArgumentParser:
     parser.add_argument("--shard_tokens", type=int, default=10**8, help="tokens per shard")
     parser.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: cores)")
     return parser
-
-
-# ----------------------------------------------------------------------------- tokenizing in workers
-
-_encoder = None  # the worker's tiktoken Encoding, or the exception loading it raised
-
-
-STOPS = (signal.SIGINT, signal.SIGTERM)  # a terminal's Ctrl-C and a scheduler's SIGTERM reach the whole group
-
-
-def _start_worker():
-    """Each worker's start. Ctrl-C is the main process's, which stops the pool; so is a stop signal sent to the
-    whole group while the worker started, blocked then (_encode_all): each worker said a traceback, importing."""
-    global _encoder
-    for sig in STOPS:  # (SIG_IGN discards a pending one)
-        signal.signal(sig, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the pool's own terminate(), once broken, must end it)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
-    if parent := mp.parent_process():  # killed (SIGKILL), it leaves no orphan waiting for work for ever
-        threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
-    try:
-        _encoder = gpt2_encoding(verbose=False)
-    except Exception as e:  # noqa: BLE001  an initializer that raises breaks the pool, with no message
-        _encoder = e
-
-
-def _encode(item):
-    if isinstance(_encoder, Exception):
-        raise _encoder  # to the main process, which reports it
-    index, text = item
-    return index, np.array([GPT2_EOT] + _encoder.encode_ordinary(text), dtype=np.uint16)
 
 
 # ----------------------------------------------------------------------------- writing shards
@@ -213,34 +177,9 @@ def write_shards(source: Source, out_dir, prefix: str, shard_tokens: int, worker
                 streams[route(doc)].add(doc, tokens, on_shard)
                 bar.update(len(tokens))
 
-        _encode_all(documents(), workers, take)
+        encode_all(documents(), workers, take)
         bar.close()
         return _finish(source, out_dir, streams, counts, settings, shard_tokens, on_shard)
-
-
-def _encode_all(docs: Iterator, workers: int, take):
-    """Encode (doc, text) pairs in worker processes, each block's (doc, tokens) to take() in order. Two
-    blocks in flight at most, so memory stays bounded (pool.map alone would read all ahead). A worker that
-    dies (the out-of-memory killer) breaks this pool: multiprocessing.Pool lost its task, a hang."""
-    pool = ProcessPoolExecutor(workers, mp.get_context("spawn"), initializer=_start_worker)
-    try:
-        pending = []
-        for block in iter(lambda: list(islice(docs, workers * 64)), []):  # lists of workers * 64 documents
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # workers start now: they inherit the mask
-            try:  # (a signal meanwhile waits the few milliseconds until it is unblocked)
-                pending.append(pool.map(_encode, block, chunksize=16))
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-            if len(pending) == 2:
-                take(pending.pop(0))
-        for result in pending:
-            take(result)
-    except BrokenProcessPool:
-        raise RunError("a tokenizing process was killed (the out-of-memory killer?): run the same command "
-                       "again, which goes on from the last shard written (fewer --workers use less memory)") from None
-    finally:
-        # on an error no chunk more starts; and the workers still starting get to read what the pool sent them
-        pool.shutdown(wait=True, cancel_futures=True)  # (else each says a traceback, once this process has gone)
 
 
 def _finish(source: Source, out_dir: Path, streams: dict, counts: list, settings: dict, shard_tokens: int,

@@ -140,7 +140,7 @@ def test_a_prepare_killed_or_out_of_disk_midway_continues_to_byte_identical_shar
     assert prepare("fineweb", *args, f"--out_dir={tmp_path / 'straight'}").returncode == 0
     straight = {p.name: p.read_bytes() for p in (tmp_path / "straight").iterdir()}
     for sig, workers, whom in ((signal.SIGKILL, 1, "prepare"), (signal.SIGTERM, 2, "prepare"),
-                               (signal.SIGKILL, 2, "worker"), (signal.SIGINT, 2, "group"),
+                               (signal.SIGKILL, 2, "worker"), (signal.SIGINT, 2, "group"), (signal.SIGTERM, 2, "group"),
                                (signal.SIGINT, 2, "group starting"), (signal.SIGTERM, 2, "group starting")):
         out = tmp_path / f"{sig.name}-{whom}"
         proc = subprocess.Popen([sys.executable, "data/fineweb/prepare.py", *args, f"--workers={workers}",
@@ -434,18 +434,18 @@ def test_a_tokenizing_worker_leaves_ctrl_c_to_the_main_process_and_reports_a_fai
     # each worker once printed a KeyboardInterrupt traceback, and the main process could hang on the dead pool
     import signal
 
-    from data import streaming
-    monkeypatch.setattr(streaming, "gpt2_encoding", lambda verbose: None)
-    monkeypatch.setattr(streaming, "_encoder", None)  # (restored after)
+    from data import workers
+    monkeypatch.setattr(workers, "gpt2_encoding", lambda verbose: None)
+    monkeypatch.setattr(workers, "_encoder", None)  # (restored after)
     previous = signal.getsignal(signal.SIGINT)
     try:
-        streaming._start_worker()
+        workers._start_worker()
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         # a worker whose start failed raises at its first document: a pool restarts a failed start for ever
-        monkeypatch.setattr(streaming, "gpt2_encoding", raising(ValueError("not GPT-2's vocabulary")))
-        streaming._start_worker()
+        monkeypatch.setattr(workers, "gpt2_encoding", raising(ValueError("not GPT-2's vocabulary")))
+        workers._start_worker()
         with pytest.raises(ValueError, match="^not GPT-2's vocabulary$"):
-            streaming._encode((0, "a document"))
+            workers._encode((0, "a document"))
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -622,10 +622,11 @@ def test_a_wrong_vocabulary_file_is_one_line_and_not_a_hang(corpus, tmp_path, mo
     proc = prepare("openwebtext", f"--input={tmp_path / 'bad.jsonl'}", f"--out_dir={tmp_path / 'owt'}", timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {junk} (from $GPT2_TIKTOKEN_FILE"), proc.stderr
     # a worker that cannot load it fails its task (the main process reports it) and is not restarted
-    monkeypatch.setattr(streaming, "_encoder", None)
-    streaming._start_worker()
+    from data import workers
+    monkeypatch.setattr(workers, "_encoder", None)
+    workers._start_worker()
     with pytest.raises(ValueError, match="junk.tiktoken"):
-        streaming._encode((0, "some text"))
+        workers._encode((0, "some text"))
 
 
 class ConnectError(Exception):
