@@ -88,10 +88,21 @@ class Source:
     sizes: list = None               # local files' bytes: a resume or rerun must find the same
 
 
+def _matches(pattern: str):
+    """glob's matches (** at any depth), refused once one lies beyond a link to a folder that holds the link, which
+    ** follows for ever (two such links: 2^40 paths, a hang)."""
+    for name in glob.iglob(pattern, recursive=True):
+        if "**" in pattern and (loop := next((p for p in Path(name).parents if p.is_symlink() and Path(
+                os.path.realpath(p.parent)).is_relative_to(os.path.realpath(p))), None)):
+            raise ValueError(f"--input {pattern} reaches {name} through {loop}, a link to a folder that holds it, "
+                             f"which ** would follow for ever: remove the link, or give a pattern without **")
+        yield name
+
+
 def local_source(pattern: str) -> Source:
     """Files matching a glob pattern (or one path), in sorted order; ** matches folders at any depth."""
     magic = any(c in pattern for c in "*?[") and not Path(pattern).is_file()  # ("notes [v1].txt" is a name)
-    files = sorted(map(Path, glob.glob(pattern, recursive=True))) if magic else [Path(pattern)]
+    files = sorted(map(Path, _matches(pattern))) if magic else [Path(pattern)]
     unique = {}  # a file ** reaches twice (through a link to a folder) is one: its documents were in val and train
     for f in files:
         if f.is_file():

@@ -590,6 +590,16 @@ def test_a_glob_may_name_folders_too(tmp_path):
     (tmp_path / "latest").symlink_to(tmp_path / "b")
     assert local_source(f"{tmp_path}/**/*.jsonl").names == [*(f"{tmp_path}/{f}/x.jsonl" for f in ("a", "b/c", "b")),
                                                             f"{tmp_path}/notes [v1].jsonl"]
+    # a link back to a folder that holds it: ** followed it 40 deep (two: 2^40 paths, a hang), now one line
+    (tmp_path / "loop").mkdir()
+    (tmp_path / "loop" / "x.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "loop" / "current").symlink_to(".")
+    with pytest.raises(ValueError, match=re.escape(f"--input {tmp_path}/loop/**/*.jsonl reaches {tmp_path}/loop/current/"
+                                                   f"x.jsonl through {tmp_path}/loop/current, a link to a folder that "
+                                                   f"holds it, which ** would follow for ever: remove the link, or ")):
+        local_source(f"{tmp_path}/loop/**/*.jsonl")
+    assert len(local_source(f"{tmp_path}/loop/current/*.jsonl").names) == 1  # (without **: followed once, as named)
+    shutil.rmtree(tmp_path / "loop")
     os.mkfifo(tmp_path / "pipe.jsonl")  # (it "matches no file")
     with pytest.raises(FileNotFoundError, match=re.escape(f"--input {tmp_path}/pipe.jsonl is not a regular file")):
         local_source(f"{tmp_path}/pipe.jsonl")
