@@ -4,8 +4,9 @@ its turn comes. data/streaming.py tokenizes them into shards."""
 
 import glob
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from itertools import takewhile
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -88,21 +89,28 @@ class Source:
     sizes: list = None               # local files' bytes: a resume or rerun must find the same
 
 
-def _matches(pattern: str):
-    """glob's matches (** at any depth), refused once one lies beyond a link to a folder that holds the link, which
-    ** follows for ever (two such links: 2^40 paths, a hang)."""
-    for name in glob.iglob(pattern, recursive=True):
-        if "**" in pattern and (loop := next((p for p in Path(name).parents if p.is_symlink() and Path(
-                os.path.realpath(p.parent)).is_relative_to(os.path.realpath(p))), None)):
-            raise ValueError(f"--input {pattern} reaches {name} through {loop}, a link to a folder that holds it, "
-                             f"which ** would follow for ever: remove the link, or give a pattern without **")
-        yield name
+def _link_loop(folder: str, chain: tuple = ()):
+    """A link under `folder` to a folder on its own path (itself, or one holding it: ** would follow it for ever;
+    two: 2^40 paths, a hang), found without following one; None if there is none. Hidden folders, as glob's **."""
+    chain += (os.path.realpath(folder),)
+    with suppress(OSError):  # (a folder that cannot be read: glob skips it too)
+        for entry in os.scandir(folder):
+            if not entry.name.startswith(".") and entry.is_dir():
+                if entry.is_symlink() and os.path.realpath(entry.path) in chain:
+                    return entry.path
+                if found := _link_loop(entry.path, chain):
+                    return found
+    return None
 
 
 def local_source(pattern: str) -> Source:
     """Files matching a glob pattern (or one path), in sorted order; ** matches folders at any depth."""
     magic = any(c in pattern for c in "*?[") and not Path(pattern).is_file()  # ("notes [v1].txt" is a name)
-    files = sorted(map(Path, _matches(pattern))) if magic else [Path(pattern)]
+    root = os.path.join(*takewhile(lambda part: not any(c in part for c in "*?["), Path(pattern).parts), "")
+    if "**" in pattern and (loop := _link_loop(root or ".")):  # (a link above root is followed once, as named)
+        raise ValueError(f"--input {pattern}: {loop} is a link to a folder that holds it, which ** would follow for "
+                         f"ever: remove the link, or give a pattern without **")
+    files = sorted(map(Path, glob.glob(pattern, recursive=True))) if magic else [Path(pattern)]
     unique = {}  # a file ** reaches twice (through a link to a folder) is one: its documents were in val and train
     for f in files:
         if f.is_file():

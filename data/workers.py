@@ -51,6 +51,9 @@ def _stops_held():
     """The stop signals held for the few milliseconds inside: workers started then inherit them blocked (their
     start-up said tracebacks), and this process acts on one after (it left a worker its start-up data half written:
     a thread of another library may take the signal, so Python would raise it in the main thread in there)."""
+    if threading.current_thread() is not threading.main_thread():  # (only there are handlers set: not held)
+        yield
+        return
     caught, mask = [], signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
     handlers = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in STOPS}
     try:

@@ -430,6 +430,24 @@ def test_blank_jsonl_lines_are_skipped_and_a_null_parquet_text_is_an_empty_docum
                                                      encoded(["a <|endoftext|> b", "c", "d", "", "e f", "g", "g h"]))
 
 
+def test_the_pool_holds_the_stop_signals_only_in_the_main_thread():
+    """Called from another thread, encode_all failed (only the main thread sets handlers) and left them blocked."""
+    from data import workers
+    seen = {}
+
+    def hold():
+        with workers._stops_held():
+            seen["inside"] = True
+        seen["blocked"] = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    thread = threading.Thread(target=hold)
+    thread.start()
+    thread.join()
+    assert seen == {"inside": True, "blocked": set()}
+    with workers._stops_held():  # the main thread: blocked inside, as before after
+        assert set(workers.STOPS) <= signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert not set(workers.STOPS) & signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
 def test_a_tokenizing_worker_leaves_ctrl_c_to_the_main_process_and_reports_a_failed_start(monkeypatch):
     # each worker once printed a KeyboardInterrupt traceback, and the main process could hang on the dead pool
     import signal
@@ -590,15 +608,23 @@ def test_a_glob_may_name_folders_too(tmp_path):
     (tmp_path / "latest").symlink_to(tmp_path / "b")
     assert local_source(f"{tmp_path}/**/*.jsonl").names == [*(f"{tmp_path}/{f}/x.jsonl" for f in ("a", "b/c", "b")),
                                                             f"{tmp_path}/notes [v1].jsonl"]
-    # a link back to a folder that holds it: ** followed it 40 deep (two: 2^40 paths, a hang), now one line
-    (tmp_path / "loop").mkdir()
-    (tmp_path / "loop" / "x.jsonl").write_text('{"text": "x"}\n')
-    (tmp_path / "loop" / "current").symlink_to(".")
-    with pytest.raises(ValueError, match=re.escape(f"--input {tmp_path}/loop/**/*.jsonl reaches {tmp_path}/loop/current/"
-                                                   f"x.jsonl through {tmp_path}/loop/current, a link to a folder that "
-                                                   f"holds it, which ** would follow for ever: remove the link, or ")):
-        local_source(f"{tmp_path}/loop/**/*.jsonl")
-    assert len(local_source(f"{tmp_path}/loop/current/*.jsonl").names) == 1  # (without **: followed once, as named)
+    # a link back to a folder that holds it: ** followed it 40 deep (two: 2^40 paths, a hang), now one line; also
+    # two folders linked to each other, where no file matches (glob walked them for ever, matching nothing)
+    def refused(*links):
+        for link, target in links:
+            (tmp_path / link).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / link).symlink_to(target)
+        with pytest.raises(ValueError, match=re.escape(f"--input {tmp_path}/loop/**/*.jsonl: {tmp_path}/loop/") +
+                           r"\S+ is a link to a folder that holds it, which \*\* would follow for ever: remove the link"):
+            local_source(f"{tmp_path}/loop/**/*.jsonl")
+        for link, _ in links:
+            (tmp_path / link).unlink()
+    (tmp_path / "loop" / "y").mkdir(parents=True)
+    (tmp_path / "loop" / "y" / "a.jsonl").write_text('{"text": "x"}\n')
+    refused(("loop/x/current", ".."))
+    refused(("loop/x/z/to_w", "../../w"), ("loop/w/to_x", "../x"))
+    (tmp_path / "loop" / "current").symlink_to(".")  # (above where ** starts: followed once, as named)
+    assert local_source(f"{tmp_path}/loop/current/y/**/*.jsonl").names == [f"{tmp_path}/loop/current/y/a.jsonl"]
     shutil.rmtree(tmp_path / "loop")
     os.mkfifo(tmp_path / "pipe.jsonl")  # (it "matches no file")
     with pytest.raises(FileNotFoundError, match=re.escape(f"--input {tmp_path}/pipe.jsonl is not a regular file")):
