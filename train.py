@@ -30,7 +30,7 @@ import sharded
 from collectives import (Agreement, agree_or_raise, any_rank, collective_failures_explained, differs_from_rank0,
                          first_error, on_rank0, process_group)
 from config import PER_HOST, Config, resolve
-from data.files import remove
+from data.files import LIBC, remove
 from errors import (CheckpointNotWritten, ConfigError, Diverged, LogNotWritten, UnreadableCheckpoint, first_line,
                     reported, signals_unwind)
 from evals import hellaswag
@@ -38,7 +38,7 @@ from evals.loss import val_loss
 from loader import Dataset, ShardedTokenLoader, eval_starts, token_splits
 from logger import Logger
 from model import GPT, GPTConfig
-from world import LIBC, StopSignal, World, autocast, setup, strip_local_rank
+from world import StopSignal, World, autocast, setup, strip_local_rank
 
 
 # -----------------------------------------------------------------------------

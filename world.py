@@ -6,7 +6,6 @@ config.resolve could not (a dtype the device cannot run, a global batch the worl
 the group forms, so each rank fails at once instead of waiting out dist_timeout; the rest is agreed.
 """
 
-import ctypes
 import os
 import re
 import signal
@@ -20,12 +19,9 @@ import torch
 import torch.distributed as dist
 
 from config import CHOICES, Config
+from data.files import LIBC
 from errors import ConfigError, GlobalBatchIndivisible
 
-try:
-    LIBC = ctypes.CDLL("libc.so.6")  # glibc: its allocator is tuned for CPU training
-except OSError:
-    LIBC = None
 DTYPES = {name: getattr(torch, name) for name in CHOICES["dtype"] if name != "auto"}
 
 

@@ -21,6 +21,11 @@ from pathlib import Path
 
 from errors import DISK_FULL
 
+try:
+    LIBC = ctypes.CDLL("libc.so.6")  # glibc: world.py tunes its allocator for CPU training; exchange() swaps with it
+except OSError:
+    LIBC = None
+
 
 def cache_dir() -> Path:
     """Where downloads are kept between runs (the GPT-2 vocabulary, HellaSwag); for a user with no home (no HOME and
@@ -158,7 +163,7 @@ def enclosing(path, suffix: str):
 def exchange(a, b) -> bool:
     """Swap what paths a and b name in one step (Linux's renameat2 with RENAME_EXCHANGE: a reader finds one or the
     other there, never neither); False, changing nothing, where the system or the file system cannot."""
-    swap = getattr(ctypes.CDLL(None), "renameat2", None)  # (glibc 2.28 and later)
+    swap = getattr(LIBC, "renameat2", None)  # (glibc 2.28 and later)
     return swap is not None and swap(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0  # AT_FDCWD, RENAME_EXCHANGE
 
 
